@@ -1,0 +1,275 @@
+"""Attention submodules that plug into megatron-core's TransformerLayer through its ModuleSpec.
+
+- `SDPACoreAttention`: causal softmax(QKᵀ/√d_k)V with torch SDPA (flash / memory-efficient kernels
+  on GPU, plain math on CPU), GQA included. Replaces megatron's DotProductAttention, which needs CUDA.
+- `RandomQKVLinear`: the `linear_qkv` replacement for ora / frozen_gaussian / frozen_uniform. Q and K
+  are random (orthogonal, Gaussian or uniform), a pure function of (seed, layer, role), frozen unless
+  the A2 flags train them; V is an ordinary trainable projection. One fused GEMM forward (same cost
+  as megatron's ColumnParallelLinear); the backward computes the input gradient through Q, K and V
+  but weight gradients only for trainable parts, so frozen Q/K cost no weight-gradient GEMM.
+- `RandomQKSelfAttention`: megatron's SelfAttention, telling its linear_qkv which layer it is in.
+- `SynthesizerAttention`: softmax(R)·V with R per head (N×N, or R1·R2ᵀ of rank k), causal; covers
+  synthesizer_random (trainable or fixed R), synthesizer_factorized and fixed_random_attention.
+
+Every random tensor is drawn for all heads (or per head from its own generator) and sliced to this
+tensor-parallel rank's heads, so every TP size sees the same model.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from dataclasses import dataclass
+from typing import Union
+
+from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ora_megatron.model_config import FROZEN_QK_INIT, AttentionConfig
+from ora_megatron.orthogonal import (
+    frozen_projection,
+    hadamard_transform_for,
+    orthogonal_matrix,
+    seeded_generator,
+)
+
+
+def _tp_rank_size(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    return tp_group.rank(), tp_group.size()
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention on torch's scaled_dot_product_attention, always causal."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None,
+                 attention_type: str = "self", softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, **_unused):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        # megatron layout [s, b, heads, d] -> SDPA layout [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            enable_gqa=q.size(1) != k.size(1),
+        )
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class _FusedQKV(torch.autograd.Function):
+    """Y = X·[Q|K|V]ᵀ (+ V bias) in megatron's interleaved per-group layout, one GEMM.
+
+    Backward: dX = dY·W always; dW only for the weights that require grad, each from its own
+    slice of dY. Frozen Q/K thus skip their weight-gradient GEMMs (2·d² of ~6·d² per token).
+    """
+
+    @staticmethod
+    def forward(ctx, x, q_weight, k_weight, v_weight, v_bias, groups: int):
+        weight = _interleave(q_weight, k_weight, v_weight, groups)
+        bias = None
+        if v_bias is not None:
+            zeros_qk = v_bias.new_zeros(groups, (q_weight.size(0) + k_weight.size(0)) // groups)
+            bias = torch.cat([zeros_qk, v_bias.view(groups, -1)], dim=1).view(-1)
+        ctx.save_for_backward(x, weight)
+        ctx.shapes = (groups, q_weight.size(0) // groups, k_weight.size(0) // groups)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        groups, q_rows, kv_rows = ctx.shapes
+        grad_x = grad_out.matmul(weight)
+        g = grad_out.reshape(-1, groups, q_rows + 2 * kv_rows)
+        x2d = x.reshape(-1, x.size(-1))
+
+        def weight_grad(lo, hi):
+            return g[:, :, lo:hi].reshape(g.size(0), -1).t().matmul(x2d)
+
+        need = ctx.needs_input_grad
+        grad_q = weight_grad(0, q_rows) if need[1] else None
+        grad_k = weight_grad(q_rows, q_rows + kv_rows) if need[2] else None
+        grad_v = weight_grad(q_rows + kv_rows, q_rows + 2 * kv_rows) if need[3] else None
+        grad_b = g[:, :, q_rows + kv_rows:].sum(0).reshape(-1) if need[4] else None
+        return grad_x, grad_q, grad_k, grad_v, grad_b, None
+
+
+def _interleave(q_weight, k_weight, v_weight, groups: int) -> torch.Tensor:
+    """[q-heads of group | k | v] per query group: the row order megatron's SelfAttention splits."""
+    h = q_weight.size(-1)
+    parts = [w.view(groups, -1, h) for w in (q_weight, k_weight, v_weight)]
+    return torch.cat(parts, dim=1).view(-1, h)
+
+
+class RandomQKVLinear(torch.nn.Module):
+    """linear_qkv for random-Q/K variants; same call contract as megatron's ColumnParallelLinear.
+
+    Q/K weights are generated by `generate_qk(layer_number)` (called by RandomQKSelfAttention once
+    the layer number is known). They are Parameters with requires_grad=False when frozen, so a
+    freeze schedule can later flip them trainable; optimizers are built from trainable params only.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
+                 init_method, bias: bool, attention: AttentionConfig, seed: int,
+                 tp_group=None, gather_output: bool = False, skip_bias_add: bool = False,
+                 is_expert: bool = False, tp_comm_buffer_name=None, **_unused):
+        super().__init__()
+        assert not gather_output and not is_expert
+        self.config, self.attention, self.seed, self.tp_group = config, attention, seed, tp_group
+        self.skip_bias_add = skip_bias_add
+        rank, size = _tp_rank_size(tp_group)
+        self.heads = config.num_attention_heads // size
+        self.groups = config.num_query_groups // size
+        self.head_dim = config.kv_channels
+        d = config.hidden_size
+        self.v_weight = torch.nn.Parameter(torch.empty(self.groups * self.head_dim, d))
+        _initialize_affine_weight_cpu(
+            self.v_weight, config.num_query_groups * self.head_dim, d, self.v_weight.size(0), 0,
+            init_method, rank=rank, world_size=size, params_dtype=config.params_dtype)
+        # ORA's frozen Q/K carry no bias (research plan); V keeps its bias.
+        self.v_bias = torch.nn.Parameter(torch.zeros(self.v_weight.size(0))) if bias else None
+        self.q_weight = torch.nn.Parameter(torch.empty(self.heads * self.head_dim, d), requires_grad=False)
+        self.k_weight = torch.nn.Parameter(torch.empty(self.groups * self.head_dim, d), requires_grad=False)
+        self.q_transform = self.k_transform = None
+
+    @property
+    def uses_hadamard_runtime(self) -> bool:
+        return self.attention.type == "ora" and self.attention.orthogonal_method == "hadamard"
+
+    def generate_qk(self, layer_number: int) -> None:
+        """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2)."""
+        for role, param, heads, trainable in (
+            ("q", self.q_weight, self.config.num_attention_heads, self.attention.train_q),
+            ("k", self.k_weight, self.config.num_query_groups, self.attention.train_k),
+        ):
+            full = self.expected_weight(role, layer_number, heads)
+            rank, _ = _tp_rank_size(self.tp_group)
+            rows = param.size(0)
+            with torch.no_grad():
+                param.copy_(full[rank * rows:(rank + 1) * rows])
+            param.requires_grad_(trainable)
+            if self.uses_hadamard_runtime and not trainable:
+                transform = hadamard_transform_for(self.seed, layer_number, role, self.config.hidden_size)
+                setattr(self, f"{role}_transform", transform)
+        self.layer_number = layer_number
+
+    def expected_weight(self, role: str, layer_number: int, heads: int) -> torch.Tensor:
+        """The full (all heads, all ranks) random Q or K weight of this layer, regenerated."""
+        att = self.attention
+        return frozen_projection(
+            FROZEN_QK_INIT[att.type], att.orthogonal_method, self.config.hidden_size, heads,
+            self.head_dim, seed=self.seed, layer=layer_number, role=role,
+            joint_heads=att.joint_heads, std=att.init_std,
+        ).to(self.config.params_dtype)
+
+    def forward(self, x):
+        x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        if self.q_transform is not None or self.k_transform is not None:
+            out = self._forward_hadamard(x)
+        else:
+            out = _FusedQKV.apply(x, self.q_weight, self.k_weight, self.v_weight, self.v_bias, self.groups)
+        return out, None
+
+    def _forward_hadamard(self, x):
+        """Frozen Hadamard Q/K in O(d log d) per token; V by GEMM; assembled in megatron's layout."""
+        rank, _ = _tp_rank_size(self.tp_group)
+
+        def project(role, param):
+            transform = getattr(self, f"{role}_transform")
+            if transform is None:
+                return F.linear(x, param)
+            cols = param.size(0)
+            return transform(x)[..., rank * cols:(rank + 1) * cols]
+
+        q, k = project("q", self.q_weight), project("k", self.k_weight)
+        v = F.linear(x, self.v_weight, self.v_bias)
+        lead = x.shape[:-1]
+        parts = [t.reshape(*lead, self.groups, -1) for t in (q, k, v)]
+        return torch.cat(parts, dim=-1).reshape(*lead, -1)
+
+
+class RandomQKSelfAttention(SelfAttention):
+    """megatron SelfAttention whose linear_qkv draws Q/K for this (global) layer number."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.linear_qkv.generate_qk(self.layer_number)
+
+
+@dataclass
+class SynthesizerSubmodules:
+    linear_v: Union[ModuleSpec, type]
+    linear_proj: Union[ModuleSpec, type]
+
+
+class SynthesizerAttention(MegatronModule):
+    """softmax(R + causal mask)·V per head; R is N×N (random) or R1·R2ᵀ (factorized).
+
+    Replaces megatron's SelfAttention in the layer spec (there is no Q/K to project).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: SynthesizerSubmodules,
+                 layer_number: int, attention: AttentionConfig, seed: int, max_seq_length: int,
+                 attn_mask_type=None, cp_comm_type=None, pg_collection=None, **_unused):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        tp_group = pg_collection.tp if pg_collection is not None else None
+        rank, size = _tp_rank_size(tp_group)
+        heads = config.num_attention_heads // size
+        self.heads, self.head_dim = heads, config.kv_channels
+        width = config.num_attention_heads * config.kv_channels
+        self.linear_v = build_module(
+            submodules.linear_v, config.hidden_size, width, config=config,
+            init_method=config.init_method, gather_output=False,
+            bias=config.add_bias_linear, skip_bias_add=False, is_expert=False, tp_group=tp_group)
+        self.linear_proj = build_module(
+            submodules.linear_proj, width, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=tp_group)
+        self.dropout = torch.nn.Dropout(config.attention_dropout)
+
+        # Per-head generators: each rank draws only its own heads, identical for any TP size.
+        my_heads = range(rank * heads, (rank + 1) * heads)
+        n = max_seq_length
+        if attention.type == "synthesizer_factorized":
+            k = attention.synthesizer_rank
+            self.r1 = torch.nn.Parameter(self._per_head(my_heads, "synth_r1", seed, lambda g: torch.randn(n, k, generator=g) * attention.init_std))
+            self.r2 = torch.nn.Parameter(self._per_head(my_heads, "synth_r2", seed, lambda g: torch.randn(n, k, generator=g) * attention.init_std))
+        else:
+            if attention.type == "fixed_random_attention" and attention.fixed_init == "orthogonal":
+                draw = lambda g: orthogonal_matrix("qr", n, n, g)  # noqa: E731
+            else:
+                draw = lambda g: torch.randn(n, n, generator=g) * attention.init_std  # noqa: E731
+            trainable = attention.type == "synthesizer_random" and attention.synthesizer_trainable
+            self.r = torch.nn.Parameter(self._per_head(my_heads, "synth_r", seed, draw), requires_grad=trainable)
+
+    def _per_head(self, heads, role, seed, draw) -> torch.Tensor:
+        return torch.stack([draw(seeded_generator(seed, self.layer_number, f"{role}/{h}")) for h in heads])
+
+    def mixing_logits(self, s: int) -> torch.Tensor:
+        """[heads, s, s] pre-softmax attention logits for sequence length s."""
+        if hasattr(self, "r1"):
+            return self.r1[:, :s].matmul(self.r2[:, :s].transpose(1, 2))
+        return self.r[:, :s, :s]
+
+    def forward(self, hidden_states, attention_mask=None, **_unused):
+        s, b = hidden_states.shape[:2]
+        value, _ = self.linear_v(hidden_states)  # [s, b, heads·d]
+        value = value.view(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, h, s, d]
+        causal = torch.ones(s, s, dtype=torch.bool, device=value.device).triu(1)
+        logits = self.mixing_logits(s).masked_fill(causal, float("-inf"))
+        probs = self.dropout(torch.softmax(logits.float(), dim=-1).to(value.dtype))
+        context = probs.unsqueeze(0).matmul(value)  # [b, h, s, d]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(context)

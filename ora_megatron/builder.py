@@ -1,0 +1,146 @@
+"""Model config → megatron-core TransformerConfig, layer spec and GPTModel.
+
+The attention variant is chosen by swapping the `self_attention` submodule of megatron-core's
+local GPT layer spec; everything else (norms, MLP, embeddings, output layer) is megatron-core's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ora_megatron.attention import (
+    RandomQKSelfAttention,
+    RandomQKVLinear,
+    SDPACoreAttention,
+    SynthesizerAttention,
+    SynthesizerSubmodules,
+)
+from ora_megatron.model_config import ModelConfig, ParallelConfig
+
+
+def padded_vocab_size(model: ModelConfig) -> int:
+    """Vocab rounded up to make_vocab_size_divisible_by. Unlike Megatron-LM, not multiplied by the
+    TP size: the model (and its checkpoints) stay the same for every TP size that divides it."""
+    multiple = model.make_vocab_size_divisible_by
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    gpt2 = model.family == "gpt2"
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_std,
+        layernorm_epsilon=model.layernorm_epsilon,
+        normalization="LayerNorm" if gpt2 else "RMSNorm",
+        activation_func=F.gelu if gpt2 else F.silu,
+        gated_linear_unit=not gpt2,
+        add_bias_linear=gpt2,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Master weights are drawn whole and sliced per rank: the same model for every TP size.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        # The fused kernels are CUDA/apex-only; the unfused paths run everywhere.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def attention_spec(model: ModelConfig) -> ModuleSpec:
+    """The self_attention submodule for the configured variant."""
+    att = model.attention
+    if att.uses_qk:
+        if att.custom_qkv:
+            module = RandomQKSelfAttention
+            linear_qkv = ModuleSpec(module=RandomQKVLinear, params={"attention": att, "seed": model.seed})
+        else:
+            module, linear_qkv = SelfAttention, ColumnParallelLinear
+        return ModuleSpec(
+            module=module,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=linear_qkv,
+                core_attention=SDPACoreAttention,
+                linear_proj=RowParallelLinear,
+                q_layernorm=IdentityOp,
+                k_layernorm=IdentityOp,
+            ),
+        )
+    return ModuleSpec(
+        module=SynthesizerAttention,
+        params={"attention": att, "seed": model.seed, "max_seq_length": model.seq_length},
+        submodules=SynthesizerSubmodules(linear_v=ColumnParallelLinear, linear_proj=RowParallelLinear),
+    )
+
+
+def layer_spec(model: ModelConfig) -> ModuleSpec:
+    """megatron-core's local GPT layer with our attention submodule swapped in."""
+    base = get_gpt_layer_local_spec(normalization="LayerNorm" if model.family == "gpt2" else "RMSNorm")
+    submodules = dataclasses.replace(base.submodules, self_attention=attention_spec(model))
+    return dataclasses.replace(base, submodules=submodules)
+
+
+class HostRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's RoPE moves its frequencies to CUDA unconditionally; without a GPU keep them
+    on the host (same non-interleaved layout as megatron's)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        if torch.cuda.is_available():
+            return super().get_emb(max_seq_len, offset)
+        assert not self.rotary_interleaved
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool = True,
+                    post_process: bool = True, params_dtype: torch.dtype = torch.float32) -> GPTModel:
+    """A megatron-core GPTModel for the current parallel state (initialize_model_parallel first).
+
+    The torch RNG is seeded from the config so that every rank and every TP size draws the same
+    master weights.
+    """
+    torch.manual_seed(model.seed)
+    gpt2 = model.family == "gpt2"
+    gpt = GPTModel(
+        config=transformer_config(model, parallel, params_dtype),
+        transformer_layer_spec=layer_spec(model),
+        vocab_size=padded_vocab_size(model),
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=gpt2,
+        position_embedding_type="learned_absolute" if gpt2 else "rope",
+        rotary_base=model.rotary_base,
+    )
+    if not gpt2:
+        gpt.rotary_pos_emb = HostRotaryEmbedding(
+            kv_channels=model.head_dim, rotary_percent=1.0, rotary_base=model.rotary_base,
+            use_cpu_initialization=True)
+    return gpt

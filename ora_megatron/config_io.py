@@ -1,0 +1,143 @@
+"""YAML → typed dataclasses, with dotted `--set key=value` overrides.
+
+One mechanism for every config in the repository: a section is a dataclass; `from_dict` walks the
+YAML mapping against the dataclass fields, converts scalars, rejects unknown keys and wrong types,
+then runs each dataclass's `validate()` (cross-field checks). Every error names the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; `key` is its dotted path (e.g. `model.hidden_size`)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config error at '{key}': {message}")
+
+
+def load_yaml(path: str | Path) -> dict:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", f"{path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(item, "override must look like key.path=value")
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), "is not a section, cannot set a sub-key")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return data
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"{value!r} matches none of {hint}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(key, f"{value!r} is not one of {list(args)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        item_hint = args[0] if args else Any
+        items = [_convert(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {value!r}")
+        return {k: _convert(v, args[1] if args else Any, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads `3e-4` as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(key, f"expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {hint} at {key}")
+
+
+def from_dict(cls: type, data: Any, key: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, recursively; unknown keys and bad types raise."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(key or "<root>", f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise ConfigError(where, f"unknown key (allowed here: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(value, hints[name], f"{key}.{name}" if key else name)
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(key)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass tree → plain dict (for writing the resolved config)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(key, message)

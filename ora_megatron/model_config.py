@@ -1,0 +1,169 @@
+"""Typed model and parallelism config: the `model:` and `parallel:` sections of a run's YAML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml, apply_overrides
+
+AttentionType = Literal[
+    "vanilla",
+    "ora",
+    "frozen_gaussian",
+    "frozen_uniform",
+    "synthesizer_random",
+    "synthesizer_factorized",
+    "fixed_random_attention",
+]
+# Variants whose scores come from Q·K (the rest mix values with a learned or fixed N×N matrix).
+QK_VARIANTS = ("vanilla", "ora", "frozen_gaussian", "frozen_uniform")
+FROZEN_QK_INIT = {"ora": "orthogonal", "frozen_gaussian": "gaussian", "frozen_uniform": "uniform"}
+
+
+@dataclass
+class AttentionConfig:
+    type: AttentionType = "vanilla"
+    # ora: how the orthogonal Q/K are drawn (ablation A7); hadamard heads are always jointly orthonormal.
+    orthogonal_method: Literal["qr", "svd", "householder", "cayley", "hadamard"] = "qr"
+    # ora: all heads of a role jointly orthonormal (needs heads·d_k ≤ d_model) instead of per head.
+    joint_heads: bool = False
+    # ora / frozen_*: ablation A2, train Q and/or K from their random init instead of freezing them.
+    train_q: bool = False
+    train_k: bool = False
+    # frozen_gaussian: std of N(0, std²); frozen_uniform: bound of U(-std, std); synthesizers: init std.
+    init_std: float = 0.02
+    # synthesizer_random: R trainable (true) or fixed at its random init (false).
+    synthesizer_trainable: bool = True
+    # synthesizer_factorized: rank k of R = R1·R2ᵀ.
+    synthesizer_rank: int = 64
+    # fixed_random_attention: distribution of the fixed R.
+    fixed_init: Literal["orthogonal", "gaussian"] = "orthogonal"
+
+    @property
+    def uses_qk(self) -> bool:
+        return self.type in QK_VARIANTS
+
+    @property
+    def custom_qkv(self) -> bool:
+        """True when Q/K come from our own projection (random init, frozen or not)."""
+        return self.type in FROZEN_QK_INIT
+
+    def validate(self, key: str) -> None:
+        if self.train_q or self.train_k:
+            check(self.custom_qkv, f"{key}.train_q",
+                  f"train_q/train_k apply to {sorted(FROZEN_QK_INIT)}, not to '{self.type}'")
+        check(self.init_std > 0, f"{key}.init_std", "must be > 0")
+        check(self.synthesizer_rank > 0, f"{key}.synthesizer_rank", "must be > 0")
+
+
+@dataclass
+class ModelConfig:
+    # gpt2: learned absolute positions, LayerNorm, GELU, biases, tied embeddings (the research plan's
+    # model). llama: RoPE, RMSNorm, SwiGLU, no biases, untied output layer.
+    family: Literal["gpt2", "llama"] = "gpt2"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # GQA; None = one K/V head per query head
+    kv_channels: Optional[int] = None  # d_k; None = hidden_size / num_attention_heads
+    ffn_hidden_size: Optional[int] = None  # None = 4 · hidden_size
+    seq_length: int = 128
+    vocab_size: int = 256
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+    # Seed of every random init, frozen Q/K included: frozen Q/K are a function of (seed, layer, role).
+    seed: int = 42
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def validate(self, key: str) -> None:
+        k = f"{key}." if key else ""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+            check(getattr(self, name) > 0, k + name, "must be > 0")
+        if self.kv_channels is None:
+            check(self.hidden_size % self.num_attention_heads == 0, k + "num_attention_heads",
+                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                  f"{self.num_attention_heads} (or set kv_channels)")
+        check(self.num_attention_heads % self.query_groups == 0, k + "num_query_groups",
+              f"num_attention_heads {self.num_attention_heads} is not divisible by "
+              f"num_query_groups {self.query_groups}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            check(0.0 <= getattr(self, name) < 1.0, k + name, "must be in [0, 1)")
+        att = self.attention
+        if att.type == "ora":
+            check(self.head_dim <= self.hidden_size, k + "kv_channels",
+                  f"d_k {self.head_dim} > d_model {self.hidden_size}: a d_model×d_k matrix cannot "
+                  "have orthonormal columns")
+            joint = att.joint_heads or att.orthogonal_method == "hadamard"
+            if joint:
+                width = self.num_attention_heads * self.head_dim
+                check(width <= self.hidden_size, k + "attention.joint_heads",
+                      f"heads·d_k = {width} > d_model {self.hidden_size}: heads cannot be jointly "
+                      "orthonormal (hadamard is always joint)")
+        if att.type == "synthesizer_factorized":
+            check(att.synthesizer_rank <= self.seq_length, k + "attention.synthesizer_rank",
+                  f"rank {att.synthesizer_rank} > seq_length {self.seq_length}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+
+    def validate(self, key: str) -> None:
+        check(self.tensor >= 1, f"{key}.tensor", "must be >= 1")
+        check(self.pipeline >= 1, f"{key}.pipeline", "must be >= 1")
+
+
+def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Checks that need both sections: every rank must hold whole heads and whole layers."""
+    tp = parallel.tensor
+    check(model.num_attention_heads % tp == 0, "parallel.tensor",
+          f"num_attention_heads {model.num_attention_heads} is not divisible by tensor-parallel size {tp}")
+    check(model.query_groups % tp == 0, "parallel.tensor",
+          f"num_query_groups {model.query_groups} is not divisible by tensor-parallel size {tp}")
+    check(model.ffn_size % tp == 0, "parallel.tensor",
+          f"ffn_hidden_size {model.ffn_size} is not divisible by tensor-parallel size {tp}")
+    check(model.make_vocab_size_divisible_by % tp == 0, "model.make_vocab_size_divisible_by",
+          f"{model.make_vocab_size_divisible_by} is not divisible by tensor-parallel size {tp} "
+          "(each rank holds an equal slice of the padded vocabulary)")
+    check(model.num_layers % parallel.pipeline == 0, "parallel.pipeline",
+          f"num_layers {model.num_layers} is not divisible by pipeline-parallel size {parallel.pipeline}")
+
+
+@dataclass
+class ModelSection:
+    """The part of a run config that the model builder reads; other sections belong to pretrain."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+
+
+def load_model_section(path: str, overrides: list[str] = ()) -> ModelSection:
+    data = apply_overrides(load_yaml(path), list(overrides))
+    model = from_dict(ModelConfig, data.get("model"), "model")
+    parallel = from_dict(ParallelConfig, data.get("parallel"), "parallel")
+    validate_model_parallel(model, parallel)
+    return ModelSection(model=model, parallel=parallel)
+
+
+__all__ = [
+    "AttentionConfig", "ModelConfig", "ParallelConfig", "ModelSection", "ConfigError",
+    "load_model_section", "validate_model_parallel", "QK_VARIANTS", "FROZEN_QK_INIT",
+]

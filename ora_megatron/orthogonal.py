@@ -1,0 +1,242 @@
+"""Frozen random projections for ORA: seeded orthogonal (and Gaussian/uniform) Q/K weights.
+
+Every matrix is a pure function of (seed, layer, role): `seeded_generator` hashes those into a CPU
+generator, so build, checkpoint load and export regenerate the same bits, and each tensor-parallel
+rank slices its heads out of the same full matrix whatever the parallel sizes are.
+
+Dense methods draw in float64 and round once to fp32; the rounding also hides last-bit differences
+between LAPACK builds. The Hadamard method is a structured transform applied in O(d log d).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+METHODS = ("qr", "svd", "householder", "cayley", "hadamard")
+
+# Base order -> odd prime q of the Paley construction that builds it (type I if q % 4 == 3, else II).
+_PALEY_PRIME = {12: 11, 20: 19, 28: 13, 36: 17, 44: 43}
+HADAMARD_BASE_ORDERS = (1, 2, *_PALEY_PRIME)
+
+INITS = ("orthogonal", "gaussian", "uniform")
+
+
+def seeded_generator(seed: int, layer: int, role: str) -> torch.Generator:
+    """CPU generator seeded by sha256 of "seed/layer/role" (stable across processes, unlike hash())."""
+    digest = hashlib.sha256(f"{seed}/{layer}/{role}".encode()).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+    return generator
+
+
+# ----------------------------------------------------------------------------- dense orthogonal draws
+
+def _qr(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    gaussian = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    # LAPACK's sign convention gives Q[0, 0] < 0 on every draw; folding sign(diag R) into Q makes Q Haar.
+    signs = torch.sign(torch.diagonal(r))
+    return q * torch.where(signs == 0, 1.0, signs)
+
+
+def _svd(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    gaussian = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+    u, _, vh = torch.linalg.svd(gaussian, full_matrices=False)
+    return u @ vh
+
+
+def _householder(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """Stewart (1980): the reflections that triangularize a Gaussian matrix, then the sign fold.
+
+    Reflection j sends a fresh Gaussian x_j in R^(rows-j) to a multiple of e_1; by rotational
+    invariance this is exactly QR of a Gaussian, so the result is Haar. (Reflections about fully
+    random directions would instead give E[W] = (1 - 2/rows)^cols * I, i.e. every head near the
+    same coordinates.)
+    """
+    vectors, diagonal = [], []
+    for j in range(cols):
+        x = torch.randn(rows - j, generator=generator, dtype=torch.float64)
+        sign = 1.0 if x[0] >= 0 else -1.0
+        v = x.clone()
+        v[0] += sign * torch.linalg.vector_norm(x)  # same sign as x[0]: no cancellation
+        vectors.append(v)
+        diagonal.append(-sign)  # sign of R[j, j] = -sign * |x_j|, folded in as in _qr
+    w = torch.diag(torch.tensor(diagonal, dtype=torch.float64))
+    w = torch.cat([w, w.new_zeros(rows - cols, cols)])
+    # Apply H_0 ... H_{cols-1} right to left; H_j only touches rows j: and, at this point, columns j:.
+    for j in reversed(range(cols)):
+        v = vectors[j]
+        block = w[j:, j:]
+        block -= torch.outer(v, v @ block) * (2.0 / v.dot(v))
+    return w
+
+
+def _cayley(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """First `cols` columns of (I - A)^{-1} (I + A) for a random skew-symmetric A.
+
+    Entries of A have variance 2/rows, so its eigenvalues ±iλ follow a semicircle of variance 2,
+    for which E[(1 - λ²) / (1 + λ²)] = 0: the draw is unbiased (E[W] -> 0) instead of near I.
+    """
+    gaussian = torch.randn(rows, rows, generator=generator, dtype=torch.float64)
+    skew = (gaussian - gaussian.T) / math.sqrt(rows)
+    identity = torch.eye(rows, dtype=torch.float64)
+    return torch.linalg.solve(identity - skew, (identity + skew)[:, :cols])
+
+
+_DENSE_METHODS = {"qr": _qr, "svd": _svd, "householder": _householder, "cayley": _cayley}
+
+
+def orthogonal_matrix(method: str, rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """fp32 [rows, cols] with orthonormal columns (W^T W = I), drawn from `generator`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown orthogonal method {method!r}; expected one of {METHODS}")
+    if not 0 < cols <= rows:
+        raise ValueError(f"orthonormal columns need 0 < cols <= rows, got rows={rows}, cols={cols}")
+    if method == "hadamard":
+        return RandomizedHadamard(rows, generator).dense()[:, :cols].contiguous()
+    return _DENSE_METHODS[method](rows, cols, generator).float()
+
+
+# ----------------------------------------------------------------------------- Hadamard matrices
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def hadamard_factorization(order: int) -> tuple[int, int]:
+    """(base, power_of_two) with base * power_of_two == order and base in HADAMARD_BASE_ORDERS."""
+    for base in HADAMARD_BASE_ORDERS:
+        if order > 0 and order % base == 0 and _is_power_of_two(order // base):
+            return base, order // base
+    raise ValueError(
+        f"no Hadamard matrix of order {order}: supported orders are base * 2^k "
+        f"with base in {HADAMARD_BASE_ORDERS}"
+    )
+
+
+def _sylvester(order: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    while h.size(0) < order:
+        h = torch.kron(h2, h)
+    return h
+
+
+def _paley(q: int) -> torch.Tensor:
+    """Paley I (q = 3 mod 4, order q + 1) or Paley II (q = 1 mod 4, order 2(q + 1)) for a prime q."""
+    squares = {(i * i) % q for i in range(1, q)}
+    character = torch.tensor([0.0] + [1.0 if a in squares else -1.0 for a in range(1, q)])
+    index = torch.arange(q)
+    jacobsthal = character[(index[None, :] - index[:, None]) % q]
+    # Conference matrix: zero diagonal, C C^T = q I; skew for type I, symmetric for type II.
+    conference = torch.zeros(q + 1, q + 1)
+    conference[0, 1:] = 1.0
+    conference[1:, 0] = -1.0 if q % 4 == 3 else 1.0
+    conference[1:, 1:] = jacobsthal
+    if q % 4 == 3:
+        return torch.eye(q + 1) + conference
+    # C ⊗ A + I ⊗ B with A A^T = B B^T = 2I and A B^T antisymmetric, so the cross terms cancel.
+    a = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    b = torch.tensor([[1.0, -1.0], [-1.0, -1.0]])
+    return torch.kron(conference, a) + torch.kron(torch.eye(q + 1), b)
+
+
+def _base_hadamard(base: int) -> torch.Tensor:
+    return _sylvester(base) if base <= 2 else _paley(_PALEY_PRIME[base])
+
+
+def hadamard_matrix(order: int) -> torch.Tensor:
+    """Exact ±1 fp32 Hadamard matrix kron(H_base, H_{2^k}): H H^T = order * I."""
+    base, power = hadamard_factorization(order)
+    return torch.kron(_base_hadamard(base), _sylvester(power))
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fast Walsh–Hadamard transform of the last dim: x @ sylvester(n), O(n log n)."""
+    n = x.size(-1)
+    if not _is_power_of_two(n):
+        raise ValueError(f"fwht needs a power-of-two length, got {n}")
+    lead = x.shape[:-1]
+    y = x
+    half = 1
+    while half < n:
+        y = y.reshape(*lead, n // (2 * half), 2, half)
+        top, bottom = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((top + bottom, top - bottom), dim=-2)
+        half *= 2
+    return y.reshape(*lead, n)
+
+
+class RandomizedHadamard(torch.nn.Module):
+    """x -> x @ M[:, perm] with M = diag(signs) H_d / sqrt(d): an exactly orthogonal d x d map.
+
+    H_d = kron(H_base, H_{2^k}), so x @ H_d is an FWHT along the 2^k axis and a small dense matmul
+    along the base axis of x viewed as [..., base, 2^k]. signs and perm come from the generator and
+    are non-persistent: they are regenerated from the seed, never checkpointed.
+    """
+
+    def __init__(self, d: int, generator: torch.Generator):
+        super().__init__()
+        self.d = d
+        self.base, self.power = hadamard_factorization(d)
+        signs = torch.randint(0, 2, (d,), generator=generator).float() * 2 - 1
+        self.register_buffer("signs", signs, persistent=False)
+        self.register_buffer("perm", torch.randperm(d, generator=generator), persistent=False)
+        self.register_buffer("base_matrix", _base_hadamard(self.base), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Butterflies in bf16/fp16 round at every stage; a GEMM would accumulate in fp32, so do we.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        lead = x.shape[:-1]
+        y = (x.to(dtype) * self.signs.to(dtype)).reshape(*lead, self.base, self.power)
+        y = fwht(y)
+        if self.base > 1:
+            y = self.base_matrix.to(dtype).mT @ y  # out[a, :] = sum_i H_base[i, a] * y[i, :]
+        y = y.reshape(*lead, self.d) / math.sqrt(self.d)
+        return y[..., self.perm].to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """M[:, perm] as fp32 [d, d] (scaled in float64, rounded once)."""
+        scaled_signs = self.signs.double().cpu()[:, None] / math.sqrt(self.d)
+        return (hadamard_matrix(self.d).double()[:, self.perm.cpu()] * scaled_signs).float()
+
+
+# ----------------------------------------------------------------------------- frozen Q/K weights
+
+def hadamard_transform_for(seed: int, layer: int, role: str, d_model: int) -> RandomizedHadamard:
+    """The transform behind frozen_projection("orthogonal", "hadamard", ...) for (seed, layer, role).
+
+    Q = transform(x)[..., :num_heads * d_k] equals x @ frozen_projection(...).T.
+    """
+    return RandomizedHadamard(d_model, seeded_generator(seed, layer, role))
+
+
+def frozen_projection(init: str, method: str, d_model: int, num_heads: int, d_k: int, *, seed: int,
+                      layer: int, role: str, joint_heads: bool = False,
+                      std: float = 0.02) -> torch.Tensor:
+    """All heads' frozen weight, fp32 [num_heads * d_k, d_model] (Megatron out x in).
+
+    Rows [i * d_k, (i + 1) * d_k) are W_i^T, W_i being head i's d_model x d_k projection.
+    """
+    width = num_heads * d_k
+    generator = seeded_generator(seed, layer, role)
+    if init == "gaussian":
+        return torch.randn(width, d_model, generator=generator) * std
+    if init == "uniform":
+        return (torch.rand(width, d_model, generator=generator) * 2 - 1) * std
+    if init != "orthogonal":
+        raise ValueError(f"unknown init {init!r}; expected one of {INITS}")
+    # Hadamard columns come from one d_model x d_model transform, so its heads are always joint;
+    # the generator's first use must be that transform, matching hadamard_transform_for.
+    if joint_heads or method == "hadamard":
+        if width > d_model:
+            raise ValueError(
+                f"jointly orthonormal heads ({'hadamard' if method == 'hadamard' else 'joint_heads'}) "
+                f"need num_heads * d_k = {width} <= d_model = {d_model}"
+            )
+        return orthogonal_matrix(method, d_model, width, generator).T.contiguous()
+    heads = [orthogonal_matrix(method, d_model, d_k, generator).T for _ in range(num_heads)]
+    return torch.cat(heads, dim=0)

@@ -1,0 +1,35 @@
+"""torch.distributed + megatron-core parallel state, for one process or many."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = None) -> None:
+    """Join (or create, when launched alone) the process group, then megatron's TP/PP/DP groups.
+
+    Under torchrun / the deepspeed launcher the env:// rendezvous is used; a plain `python` run
+    gets a private one-process group so the same code path serves both.
+    """
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            store = tempfile.NamedTemporaryFile(prefix="ora-pg-", delete=False).name
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
