@@ -23,7 +23,10 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 from typing import Union
 
-from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
@@ -37,6 +40,13 @@ from ora_megatron.orthogonal import (
     orthogonal_matrix,
     seeded_generator,
 )
+
+
+def _mark_head_sharded(*params) -> None:
+    """Tell megatron/DeepSpeed (checkpoint resharding, grad-norm) these hold this rank's heads only."""
+    for param in params:
+        if param is not None:
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 def _tp_rank_size(tp_group) -> tuple[int, int]:
@@ -141,6 +151,7 @@ class RandomQKVLinear(torch.nn.Module):
         self.v_bias = torch.nn.Parameter(torch.zeros(self.v_weight.size(0))) if bias else None
         self.q_weight = torch.nn.Parameter(torch.empty(self.heads * self.head_dim, d), requires_grad=False)
         self.k_weight = torch.nn.Parameter(torch.empty(self.groups * self.head_dim, d), requires_grad=False)
+        _mark_head_sharded(self.q_weight, self.k_weight, self.v_bias)
         self.q_transform = self.k_transform = None
 
     @property
@@ -253,6 +264,7 @@ class SynthesizerAttention(MegatronModule):
                 draw = lambda g: torch.randn(n, n, generator=g) * attention.init_std  # noqa: E731
             trainable = attention.type == "synthesizer_random" and attention.synthesizer_trainable
             self.r = torch.nn.Parameter(self._per_head(my_heads, "synth_r", seed, draw), requires_grad=trainable)
+        _mark_head_sharded(*(getattr(self, n) for n in ("r", "r1", "r2") if hasattr(self, n)))
 
     def _per_head(self, heads, role, seed, draw) -> torch.Tensor:
         return torch.stack([draw(seeded_generator(seed, self.layer_number, f"{role}/{h}")) for h in heads])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
@@ -10,7 +11,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
-def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = None) -> None:
+def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = None,
+                     timeout: datetime.timedelta | None = None) -> None:
     """Join (or create, when launched alone) the process group, then megatron's TP/PP/DP groups.
 
     Under torchrun / the deepspeed launcher the env:// rendezvous is used; a plain `python` run
@@ -19,10 +21,12 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = N
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it even for one process
             store = tempfile.NamedTemporaryFile(prefix="ora-pg-", delete=False).name
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
+                                    timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)

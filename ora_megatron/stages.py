@@ -1,0 +1,161 @@
+"""The GPT model as an ordered list of stages built from megatron-core parts.
+
+embedding → TransformerLayer × L → final norm → output head. The list is assembled either as a
+plain module (`StagedGPT`, pipeline size 1, any ZeRO stage) or by the trainer as a DeepSpeed
+PipelineModule (pipeline size > 1). Each stage seeds the torch RNG from (seed, stage name) before
+drawing its weights, so every assembly and every pipeline split holds the same model; the
+master-weight-then-slice init of megatron's CPU path makes it the same for every TP size too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.utils.checkpoint
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.spec_utils import build_module
+
+from ora_megatron.builder import HostRotaryEmbedding, layer_spec, padded_vocab_size, transformer_config
+from ora_megatron.model_config import ModelConfig, ParallelConfig
+
+
+def seed_stage(seed: int, name: str) -> None:
+    digest = hashlib.sha256(f"{seed}/stage/{name}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+class EmbeddingStage(torch.nn.Module):
+    """Token (+ learned position) embedding: tokens [b, s] → hidden [s, b, h]."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig):
+        super().__init__()
+        seed_stage(model.seed, "embedding")
+        self.embedding = LanguageModelEmbedding(
+            config=transformer_config(model, parallel), vocab_size=padded_vocab_size(model),
+            max_sequence_length=model.seq_length,
+            position_embedding_type="learned_absolute" if model.family == "gpt2" else "rope")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+        return self.embedding(tokens, positions)
+
+    @property
+    def word_embeddings(self) -> torch.nn.Module:
+        return self.embedding.word_embeddings
+
+
+class DecoderLayerStage(torch.nn.Module):
+    """One megatron-core TransformerLayer with the configured attention variant."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, layer_number: int):
+        super().__init__()
+        seed_stage(model.seed, f"layer{layer_number}")
+        config = transformer_config(model, parallel)
+        # Global layer number: frozen Q/K are drawn for it, whichever pipeline stage holds it.
+        self.layer = build_module(layer_spec(model), config=config, layer_number=layer_number)
+        self.rotary = None
+        if model.family == "llama":
+            self.rotary = HostRotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
+                                              rotary_base=model.rotary_base, use_cpu_initialization=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rotary = self.rotary(hidden.size(0)) if self.rotary is not None else None
+        return self.layer(hidden, attention_mask=None, rotary_pos_emb=rotary)[0]
+
+
+class FinalNormStage(torch.nn.Module):
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig):
+        super().__init__()
+        config = transformer_config(model, parallel)
+        norm = layer_spec(model).submodules.input_layernorm
+        self.norm = build_module(norm, config=config, hidden_size=model.hidden_size,
+                                 eps=model.layernorm_epsilon)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class OutputStage(torch.nn.Module):
+    """Untied output projection (llama family): hidden [s, b, h] → vocab-parallel logits [b, s, V/tp]."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig):
+        super().__init__()
+        seed_stage(model.seed, "output")
+        config = transformer_config(model, parallel)
+        self.output_layer = ColumnParallelLinear(
+            model.hidden_size, padded_vocab_size(model), config=config, init_method=config.init_method,
+            bias=False, skip_bias_add=False, gather_output=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output_layer(hidden)[0].transpose(0, 1).contiguous()
+
+
+def tied_logits(embedding: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:
+    """Output head that reuses the input embedding (gpt2 family): logits [b, s, V/tp]."""
+    hidden = copy_to_tensor_model_parallel_region(hidden)  # identity forward, TP all-reduce backward
+    out = torch.matmul(hidden, embedding.word_embeddings.weight.t())
+    return out.transpose(0, 1).contiguous()
+
+
+@dataclass
+class StageSpec:
+    """How to build one stage; `tied_key` marks a stage sharing its module with another."""
+
+    name: str
+    cls: type
+    kwargs: dict = field(default_factory=dict)
+    tied_key: Optional[str] = None
+    forward_fn: Optional[Callable] = None
+
+
+def stage_specs(model: ModelConfig, parallel: ParallelConfig) -> list[StageSpec]:
+    common = {"model": model, "parallel": parallel}
+    specs = [StageSpec("embedding", EmbeddingStage, common, tied_key="embedding" if model.family == "gpt2" else None)]
+    specs += [StageSpec(f"layer{i}", DecoderLayerStage, {**common, "layer_number": i})
+              for i in range(1, model.num_layers + 1)]
+    specs.append(StageSpec("final_norm", FinalNormStage, common))
+    if model.family == "gpt2":
+        specs.append(StageSpec("output", EmbeddingStage, common, tied_key="embedding", forward_fn=tied_logits))
+    else:
+        specs.append(StageSpec("output", OutputStage, common))
+    return specs
+
+
+class StagedGPT(torch.nn.Module):
+    """All stages in one module (pipeline size 1): tokens [b, s] → logits [b, s, V/tp]."""
+
+    def __init__(self, specs: list[StageSpec]):
+        super().__init__()
+        self.stages = torch.nn.ModuleList()
+        self.forward_fns: list[Optional[Callable]] = []
+        tied: dict[str, torch.nn.Module] = {}
+        for spec in specs:
+            if spec.tied_key is not None and spec.tied_key in tied:
+                module = tied[spec.tied_key]
+            else:
+                module = spec.cls(**spec.kwargs)
+                if spec.tied_key is not None:
+                    tied[spec.tied_key] = module
+            self.stages.append(module)
+            self.forward_fns.append(spec.forward_fn)
+        self.activation_checkpointing = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for module, forward_fn in zip(self.stages, self.forward_fns):
+            if forward_fn is not None:
+                x = forward_fn(module, x)
+            elif self.activation_checkpointing and isinstance(module, DecoderLayerStage):
+                x = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+            else:
+                x = module(x)
+        return x
+
+
+def build_staged_gpt(model: ModelConfig, parallel: ParallelConfig) -> StagedGPT:
+    return StagedGPT(stage_specs(model, parallel))

@@ -1,0 +1,219 @@
+"""The pretraining run config: every section of the YAML, typed and validated before launch.
+
+`model:` and `parallel:` are ora_megatron's (model_config.py); the rest is defined here. Checks
+that depend on the number of processes (batch divisibility, ZeRO vs pipeline) run in
+`validate_for_world(cfg, world_size)`, which the entry point calls before spawning workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml
+from ora_megatron.model_config import ModelConfig, ParallelConfig, validate_model_parallel
+
+REPO = Path(__file__).resolve().parents[1]
+DS_CONFIG_DIR = REPO / "ds_configs"
+
+LayerSet = Union[Literal["all", "none", "first_half", "second_half"], list[int]]
+
+
+@dataclass
+class FreezeStage:
+    """From `start` (fraction of train.steps) on, these layers' Q and/or K are frozen."""
+
+    start: float = 0.0
+    frozen_q: LayerSet = "all"
+    frozen_k: LayerSet = "all"
+
+    def validate(self, key: str) -> None:
+        check(0.0 <= self.start < 1.0, f"{key}.start", "must be in [0, 1)")
+
+
+# The research plan's `partial_frozen` schedule: 50% of steps all Q/K frozen, 30% the first half
+# of the layers frozen, the last 20% everything trainable.
+PARTIAL_FROZEN = [
+    FreezeStage(0.0, "all", "all"),
+    FreezeStage(0.5, "first_half", "first_half"),
+    FreezeStage(0.8, "none", "none"),
+]
+
+
+@dataclass
+class EarlyStopping:
+    enabled: bool = False
+    patience: int = 10  # evaluations without improvement
+    min_delta: float = 0.001
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    steps: int = 100
+    log_interval: int = 1
+    eval_interval: int = 50
+    eval_iters: int = 4
+    activation_checkpointing: bool = False
+    # A named schedule ("partial_frozen") or an explicit list of stages; empty = no schedule.
+    freeze_schedule: Union[Literal["none", "partial_frozen"], list[FreezeStage]] = "none"
+    early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
+    # Steps with a non-finite loss are skipped; this many in a row stops the run.
+    max_consecutive_skips: int = 5
+    # A collective that waits longer than this fails, so ranks exit when a peer has died.
+    collective_timeout_s: int = 600
+
+    @property
+    def freeze_stages(self) -> list[FreezeStage]:
+        if self.freeze_schedule == "none":
+            return []
+        if self.freeze_schedule == "partial_frozen":
+            return PARTIAL_FROZEN
+        return sorted(self.freeze_schedule, key=lambda s: s.start)
+
+    def validate(self, key: str) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
+                     "eval_interval", "eval_iters", "max_consecutive_skips", "collective_timeout_s"):
+            check(getattr(self, name) > 0, f"{key}.{name}", "must be > 0")
+        check(self.global_batch_size % self.micro_batch_size == 0, f"{key}.global_batch_size",
+              f"{self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: Optional[int] = None  # None = train.steps
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+    def validate(self, key: str) -> None:
+        check(self.lr > 0, f"{key}.lr", "must be > 0")
+        check(0.0 <= self.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be in [0, 1]")
+        check(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
+        check(0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0, f"{key}.beta2", "betas must be in [0, 1)")
+
+
+@dataclass
+class BlendEntry:
+    path: str  # megatron indexed-dataset prefix (no .bin/.idx)
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    # Exactly one source: a data_tools manifest, explicit prefixes, or megatron's mock dataset.
+    manifest: Optional[str] = None
+    blend: list[BlendEntry] = field(default_factory=list)  # one blend, cut by `split`
+    split: str = "98,1,1"  # train,valid,test ratios for `blend`
+    train_blend: list[BlendEntry] = field(default_factory=list)  # or separate lists per split
+    valid_blend: list[BlendEntry] = field(default_factory=list)
+    test_blend: list[BlendEntry] = field(default_factory=list)
+    mock: bool = False
+    tokenizer: Optional[str] = None  # sentencepiece .model; defaults to the manifest's
+    seed: int = 1234
+    eod_mask_loss: bool = False
+
+    @property
+    def sources(self) -> list[str]:
+        named = {"manifest": self.manifest is not None, "blend": bool(self.blend),
+                 "train_blend": bool(self.train_blend), "mock": self.mock}
+        return [k for k, v in named.items() if v]
+
+    def validate(self, key: str) -> None:
+        check(len(self.sources) == 1, f"{key}.manifest",
+              f"set exactly one of manifest, blend, train_blend, mock (got {self.sources or 'none'})")
+        parts = self.split.split(",")
+        check(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
+              f"{key}.split", f"expected 'train,valid,test' ratios, got {self.split!r}")
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+    def validate(self, key: str) -> None:
+        check(self.zero_stage in (0, 1, 2, 3), f"{key}.zero_stage", "must be 0, 1, 2 or 3")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    # wandb never touches the network unless mode is "online".
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "ora"
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 100
+    keep_last: int = 2
+
+    def validate(self, key: str) -> None:
+        check(self.save_interval > 0, f"{key}.save_interval", "must be > 0")
+        check(self.keep_last >= 1, f"{key}.keep_last", "must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(mock=True))
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, key: str) -> None:
+        validate_model_parallel(self.model, self.parallel)
+        if self.deepspeed.precision == "fp16":
+            check(not self.train.freeze_stages, "train.freeze_schedule",
+                  "freeze schedules are supported with fp32/bf16 only")
+        if self.train.freeze_stages:
+            check(self.model.attention.custom_qkv, "train.freeze_schedule",
+                  f"needs random Q/K to freeze (attention type ora/frozen_*), got '{self.model.attention.type}'")
+            for i, stage in enumerate(self.train.freeze_stages):
+                for name in ("frozen_q", "frozen_k"):
+                    layers = getattr(stage, name)
+                    if isinstance(layers, list):
+                        bad = [n for n in layers if not 1 <= n <= self.model.num_layers]
+                        check(not bad, f"train.freeze_schedule[{i}].{name}",
+                              f"layer numbers {bad} outside 1..{self.model.num_layers}")
+
+
+def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:
+    data = apply_overrides(load_yaml(path), list(overrides))
+    return from_dict(RunConfig, data)
+
+
+def validate_for_world(cfg: RunConfig, world_size: int) -> int:
+    """Checks that need the process count; returns the gradient-accumulation steps."""
+    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+    check(world_size % model_parallel == 0, "parallel.tensor",
+          f"world size {world_size} is not divisible by tensor × pipeline = {model_parallel}")
+    dp = world_size // model_parallel
+    per_step = cfg.train.micro_batch_size * dp
+    check(cfg.train.global_batch_size % per_step == 0, "train.global_batch_size",
+          f"{cfg.train.global_batch_size} is not a multiple of micro_batch_size × data-parallel size "
+          f"= {cfg.train.micro_batch_size} × {dp}")
+    if cfg.parallel.pipeline > 1:
+        check(cfg.deepspeed.zero_stage <= 1, "deepspeed.zero_stage",
+              f"DeepSpeed's pipeline engine supports ZeRO-0/1 only, got {cfg.deepspeed.zero_stage} "
+              f"with parallel.pipeline={cfg.parallel.pipeline}")
+        check(not cfg.train.freeze_stages, "train.freeze_schedule",
+              "freeze schedules are not supported with pipeline parallelism yet")
+    return cfg.train.global_batch_size // per_step
+
+
+__all__ = ["RunConfig", "load_run_config", "validate_for_world", "ConfigError", "FreezeStage",
+           "PARTIAL_FROZEN"]

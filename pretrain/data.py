@@ -1,0 +1,101 @@
+"""Datasets through megatron-core (GPTDataset / BlendedMegatronDatasetBuilder / mock) and a
+deterministic micro-batch order that depends only on (seed, step), so a resumed run sees
+exactly the batches the uninterrupted one would have."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.tokenizers import MegatronTokenizer
+
+from data_tools.manifest import blend_per_split_from_manifest, load_manifest
+from pretrain.config import BlendEntry, RunConfig
+
+SPLITS = ("train", "valid", "test")
+
+
+def tokenizer_path(cfg: RunConfig) -> Optional[str]:
+    if cfg.data.tokenizer:
+        return cfg.data.tokenizer
+    if cfg.data.manifest:
+        return load_manifest(cfg.data.manifest)["tokenizer"]["path"]
+    return None
+
+
+def build_tokenizer(cfg: RunConfig):
+    """megatron-core's tokenizer: sentencepiece when a model is given, else its null tokenizer
+    (mock data), sized so that ids stay below model.vocab_size."""
+    path = tokenizer_path(cfg)
+    if path is None:
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"},
+                                                 vocab_size=cfg.model.vocab_size - 1)
+    return MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={"library": "sentencepiece"})
+
+
+def _blend(entries: list[BlendEntry]):
+    if not entries:
+        return None
+    return [e.path for e in entries], [e.weight for e in entries]
+
+
+def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConfig:
+    data = cfg.data
+    blend, blend_per_split, split = None, None, None
+    if data.manifest:
+        per_split = blend_per_split_from_manifest(data.manifest)
+        if per_split[1] is None and per_split[2] is None:  # built without --split: cut by ratio
+            blend, split = per_split[0], data.split
+        else:
+            blend_per_split = per_split
+    elif data.blend:
+        blend, split = _blend(data.blend), data.split
+    elif data.train_blend:
+        blend_per_split = [_blend(data.train_blend), _blend(data.valid_blend), _blend(data.test_blend)]
+    else:
+        split = data.split
+    return GPTDatasetConfig(
+        random_seed=data.seed, sequence_length=cfg.model.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=split, tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=False, path_to_cache=str(cache_dir))
+
+
+def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
+    """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches)."""
+    sizes = [cfg.train.steps * cfg.train.global_batch_size,
+             cfg.train.eval_iters * cfg.train.global_batch_size,
+             cfg.train.eval_iters * cfg.train.global_batch_size]
+    config = dataset_config(cfg, tokenizer, cache_dir)
+    cls = MockGPTDataset if cfg.data.mock else GPTDataset
+    datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    return dict(zip(SPLITS, datasets))
+
+
+@dataclass
+class BatchOrder:
+    """Which samples form micro-batch `micro` of global step `step` on data-parallel rank `dp_rank`.
+
+    Global batch g of step s covers samples [s·G, (s+1)·G) of the (already shuffled) dataset;
+    it is cut micro-batch-major, then by DP rank, like Megatron-LM's pretraining sampler.
+    """
+
+    micro_batch_size: int
+    grad_accum: int
+    dp_rank: int
+    dp_size: int
+
+    def indices(self, step: int, micro: int) -> range:
+        global_batch = self.micro_batch_size * self.grad_accum * self.dp_size
+        start = step * global_batch + (micro * self.dp_size + self.dp_rank) * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
+
+
+def collate(dataset, indices) -> dict[str, torch.Tensor]:
+    samples = [dataset[i % len(dataset)] for i in indices]
+    keys = ("tokens", "labels", "loss_mask")
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}

@@ -1,0 +1,129 @@
+"""Freeze schedules: which layers' Q/K are frozen at which step, and the optimizer hand-over.
+
+Changing the trainable set means a new DeepSpeed engine (ZeRO flattens its parameter groups at
+initialisation). The hand-over keeps every already-trainable parameter's fp32 master weight,
+Adam moments and its group's step count; newly trainable weights join in new groups of their own
+(`optimizer_cohort`), starting their Adam state from zero, and frozen-again weights leave the
+optimizer with their state.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+from ora_megatron.attention import RandomQKVLinear
+from pretrain.config import RunConfig
+from pretrain.engine import build_engine, link_optimizer_fragments
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def freeze_stage_index(cfg: RunConfig, step: int) -> int:
+    """Index of the schedule stage in force at `step`; -1 before the first stage or without one."""
+    fraction = step / cfg.train.steps
+    started = [i for i, s in enumerate(cfg.train.freeze_stages) if s.start <= fraction]
+    return started[-1] if started else -1
+
+
+def _layers(layer_set, num_layers: int) -> set[int]:
+    if isinstance(layer_set, list):
+        return set(layer_set)
+    half = num_layers // 2
+    return {"all": set(range(1, num_layers + 1)), "none": set(),
+            "first_half": set(range(1, half + 1)),
+            "second_half": set(range(half + 1, num_layers + 1))}[layer_set]
+
+
+def trainability(cfg: RunConfig, index: int) -> dict[tuple[int, str], bool]:
+    """(layer, "q"|"k") → requires_grad for stage `index` (-1: the attention config's flags)."""
+    att, n = cfg.model.attention, cfg.model.num_layers
+    if index < 0:
+        return {(layer, role): flag for layer in range(1, n + 1)
+                for role, flag in (("q", att.train_q), ("k", att.train_k))}
+    stage = cfg.train.freeze_stages[index]
+    frozen = {"q": _layers(stage.frozen_q, n), "k": _layers(stage.frozen_k, n)}
+    return {(layer, role): layer not in frozen[role] for layer in range(1, n + 1) for role in ("q", "k")}
+
+
+def _set_trainability(module: torch.nn.Module, wanted: dict, index: int) -> bool:
+    changed = False
+    for linear in (m for m in module.modules() if isinstance(m, RandomQKVLinear)):
+        for role in ("q", "k"):
+            param = getattr(linear, f"{role}_weight")
+            flag = wanted[(linear.layer_number, role)]
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
+                param.optimizer_cohort = f"stage{index}"  # its own Adam step count
+                changed = True
+    return changed
+
+
+def _base_optimizer(engine):
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _capture(engine) -> tuple[dict, dict]:
+    """Per trainable parameter: fp32 master and Adam moments; per group name: Adam step."""
+    per_param = {}
+    link_optimizer_fragments(engine)
+    base = _base_optimizer(engine)
+    sharded = base is not engine.optimizer  # ZeRO / bf16 wrapper: reach fragments via DeepSpeed
+    for param in (p for p in engine.module.parameters() if p.requires_grad):
+        if sharded:
+            state = {key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}
+            state["fp32"] = safe_get_full_fp32_param(param)
+        else:
+            state = {key: base.state[param][key].clone() for key in MOMENTS if param in base.state}
+            state["fp32"] = param.detach().clone()
+        if all(v is not None for v in state.values()) and len(state) == 3:
+            per_param[id(param)] = {k: v.detach().cpu().clone() for k, v in state.items()}
+    steps = {}
+    for group in base.param_groups:
+        first = group["params"][0]
+        if first in base.state and "step" in base.state[first]:
+            steps[group["name"]] = base.state[first]["step"].clone()
+    return per_param, steps
+
+
+def _restore(engine, per_param: dict, steps: dict) -> None:
+    base = _base_optimizer(engine)
+    sharded = base is not engine.optimizer
+    for group in base.param_groups:
+        if group["name"] not in steps:
+            continue
+        for flat in group["params"]:  # lazily created by torch; create it with the carried step
+            base.state[flat] = {"step": steps[group["name"]].clone(),
+                                "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+    if sharded:
+        engine.optimizer._lazy_init_hp_params_optimizer_state()  # link fragments to that state
+    for param in engine.module.parameters():
+        carried = per_param.get(id(param))
+        if carried is None or not param.requires_grad:
+            continue
+        if sharded:
+            for key in MOMENTS:
+                safe_set_full_optimizer_state(param, carried[key].to(param.device), key)
+            safe_set_full_fp32_param(param, carried["fp32"].to(param.device))
+        else:
+            for key in MOMENTS:
+                base.state[param][key].copy_(carried[key])
+
+
+def apply_freeze_stage(cfg: RunConfig, eng, index: int, grad_accum: int):
+    """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed."""
+    module = eng.module
+    per_param, steps = _capture(eng.engine)
+    if not _set_trainability(module, trainability(cfg, index), index):
+        return eng
+    scheduler_state = eng.scheduler.state_dict()
+    eng.engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
+    new = build_engine(cfg, grad_accum, model=module)
+    new.scheduler.load_state_dict(scheduler_state)
+    _restore(new.engine, per_param, steps)
+    return new

@@ -1,0 +1,156 @@
+"""Pretrain a GPT with any attention variant on DeepSpeed + megatron-core.
+
+    python pretrain/pretrain_ora.py --config pretrain/configs/tiny.yaml [--set k=v ...] [--run-dir DIR]
+    python pretrain/pretrain_ora.py --config ... --nproc-per-node 2      # spawns torchrun itself
+    torchrun --nproc-per-node 2 pretrain/pretrain_ora.py --config ...
+    deepspeed --num_gpus 8 pretrain/pretrain_ora.py --config ...         # see launch/
+
+The config is validated (with the process count) before any worker starts. An existing run dir
+with a checkpoint is resumed; so the same command continues an interrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from ora_megatron.config_io import ConfigError, to_dict
+from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
+
+EXIT_CONFIG_ERROR = 2
+EXIT_TRAINING_STOPPED = 3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="run config YAML (see pretrain/configs/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override, e.g. train.steps=200 (repeatable)")
+    parser.add_argument("--run-dir", help="default: runs/<config name>-<hash of the resolved config>")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="spawn this many local workers with torchrun (ignored under a launcher)")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
+    return parser.parse_args(argv)
+
+
+def default_run_dir(config_path: str, cfg: RunConfig) -> Path:
+    digest = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    return REPO / "runs" / f"{Path(config_path).stem}-{digest}"
+
+
+def _launch_local(args, world_size: int, run_dir: Path) -> int:
+    """Re-run this script under torchrun with `world_size` local workers."""
+    from torch.distributed.run import main as torchrun
+
+    argv = [f"--nproc-per-node={world_size}", "--standalone", os.path.abspath(__file__),
+            "--config", args.config, "--run-dir", str(run_dir)]
+    for item in args.set:
+        argv += ["--set", item]
+    try:
+        torchrun(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    except Exception as e:  # torchrun's ChildFailedError: a worker failed; others were stopped
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def versions() -> dict:
+    import deepspeed
+    import torch
+    from megatron.core import package_info
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    except OSError:
+        rev, dirty = "", False
+    return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "megatron_core": package_info.__version__, "git_revision": rev, "git_dirty": dirty,
+            "cuda": torch.version.cuda, "hostname": platform.node()}
+
+
+def write_run_files(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+    (run_dir / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
+
+
+def worker(cfg: RunConfig, run_dir: Path, grad_accum: int) -> int:
+    import torch.distributed as dist
+
+    from ora_megatron.parallel import destroy_distributed, init_distributed
+    from pretrain.engine import deepspeed_config
+    from pretrain.metrics import MetricsLogger
+    from pretrain.trainer import Trainer, TrainingStopped, write_json
+
+    # DeepSpeed runs the pipeline; megatron-core only needs its tensor-parallel groups.
+    init_distributed(cfg.parallel.tensor, 1, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
+    rank = dist.get_rank()
+    if rank == 0:
+        write_run_files(run_dir, cfg, deepspeed_config(cfg, grad_accum))
+    dist.barrier()
+    trainer = Trainer(cfg, run_dir, grad_accum)
+    resumed = trainer.resume()
+    logger = None
+    if rank == 0:
+        logger = MetricsLogger(run_dir, to_dict(cfg), tensorboard=cfg.logging.tensorboard,
+                               wandb_mode=cfg.logging.wandb_mode, wandb_project=cfg.logging.wandb_project,
+                               total_steps=cfg.train.steps, start_step=trainer.state.step,
+                               progress=cfg.logging.progress)
+        print(f"run dir: {run_dir}{' (resumed at step %d)' % trainer.state.step if resumed else ''}",
+              file=sys.stderr)
+    code = 0
+    try:
+        result = trainer.train(logger)
+    except TrainingStopped as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        result, code = None, EXIT_TRAINING_STOPPED
+    if result is not None:
+        allocated = [None] * dist.get_world_size()
+        dist.all_gather_object(allocated, trainer.allocated_state())
+        if rank == 0:
+            counts = {"trainable_params": sum(p.numel() for p in trainer.eng.module.parameters() if p.requires_grad),
+                      "frozen_params": sum(p.numel() for p in trainer.eng.module.parameters() if not p.requires_grad)}
+            summary = {**result, "final_valid_loss": getattr(trainer, "last_valid_loss", None),
+                       "tokens_seen": trainer.state.tokens_seen, "skipped_steps": trainer.state.skipped_steps,
+                       **counts, "allocated_by_rank": allocated}
+            write_json(run_dir / "summary.json", summary)
+            print(f"metrics: {run_dir / 'metrics.jsonl'}\ncheckpoints: {run_dir / 'checkpoints'}\n"
+                  f"summary: {run_dir / 'summary.json'}", file=sys.stderr)
+    if logger is not None:
+        logger.close()
+    destroy_distributed()
+    return code
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_run_config(args.config, args.set)
+        under_launcher = "WORLD_SIZE" in os.environ
+        world_size = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc_per_node
+        grad_accum = validate_for_world(cfg, world_size)
+    except (ConfigError, OSError, yaml.YAMLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
+    if not under_launcher and world_size > 1:
+        return _launch_local(args, world_size, run_dir)
+    return worker(cfg, run_dir, grad_accum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
