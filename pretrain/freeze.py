@@ -71,8 +71,10 @@ def _base_optimizer(engine):
 def _capture(engine) -> tuple[dict, dict]:
     """Per trainable parameter: fp32 master and Adam moments; per group name: Adam step."""
     per_param = {}
-    link_optimizer_fragments(engine)
     base = _base_optimizer(engine)
+    if not base.state:  # before the first step (on every rank alike): nothing to carry
+        return {}, {}
+    link_optimizer_fragments(engine)
     sharded = base is not engine.optimizer  # ZeRO / bf16 wrapper: reach fragments via DeepSpeed
     for param in (p for p in engine.module.parameters() if p.requires_grad):
         if sharded:

@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--run-dir", help="default: runs/<config name>-<hash of the resolved config>")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="spawn this many local workers with torchrun (ignored under a launcher)")
+    parser.add_argument("--check-only", action="store_true",
+                        help="validate the config for --world-size processes and exit (launch/ scripts)")
+    parser.add_argument("--world-size", type=int, help="process count to validate against (with --check-only)")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     return parser.parse_args(argv)
 
@@ -141,12 +144,15 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(args.config, args.set)
         under_launcher = "WORLD_SIZE" in os.environ
-        world_size = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc_per_node
+        world_size = int(os.environ["WORLD_SIZE"]) if under_launcher else args.world_size or args.nproc_per_node
         grad_accum = validate_for_world(cfg, world_size)
     except (ConfigError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
+    if args.check_only:
+        print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}")
+        return 0
     if not under_launcher and world_size > 1:
         return _launch_local(args, world_size, run_dir)
     return worker(cfg, run_dir, grad_accum)

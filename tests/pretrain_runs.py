@@ -1,0 +1,70 @@
+"""Run pretrain/pretrain_ora.py the way a user does (subprocess; torchrun for 2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = REPO / "pretrain" / "pretrain_ora.py"
+
+TINY_RUN = """
+model:
+  num_layers: 2
+  hidden_size: 64
+  num_attention_heads: 4
+  seq_length: 32
+  vocab_size: 256
+  hidden_dropout: 0.0
+  attention_dropout: 0.0
+  attention: {type: ora}
+train: {micro_batch_size: 4, global_batch_size: 8, steps: 6, eval_interval: 3, eval_iters: 2}
+optimizer: {lr: 1.0e-3, warmup_steps: 2}
+data: {mock: true}
+deepspeed: {zero_stage: 0}
+logging: {wandb_mode: disabled, progress: false, tensorboard: false}
+checkpoint: {save_interval: 3}
+"""
+
+
+def write_config(directory: Path, text: str = TINY_RUN) -> Path:
+    path = directory / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[str]:
+    args = [sys.executable, str(ENTRY), "--config", str(config), "--run-dir", str(run_dir),
+            "--nproc-per-node", str(nproc)]
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(config: Path, run_dir: Path, overrides=(), nproc: int = 1, check: bool = True,
+        timeout: int = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run(command(config, run_dir, overrides, nproc), cwd=REPO, env=env(),
+                         capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"run failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return out
+
+
+def records(run_dir: Path, split: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir)}
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
