@@ -19,5 +19,14 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q
 
+# Embedded default: this Python's stdlib as a SlimPajama-format corpus (no download) → sentencepiece
+# → megatron-core shards → 2-process tiny ORA pretraining. Rerunning resumes every stage.
+DEMO := runs/demo
 demo: install
-	$(PY) -m ora_megatron.summary --config pretrain/configs/base.yaml
+	$(PY) -m data_tools.sample_corpus --output-dir $(DEMO)/corpus
+	$(PY) -m data_tools.train_tokenizer --input $(DEMO)/corpus --model-prefix $(DEMO)/tokenizer/sp \
+		--vocab-size 2048
+	$(PY) -m data_tools.build_shards --input $(DEMO)/corpus --tokenizer $(DEMO)/tokenizer/sp.model \
+		--output-dir $(DEMO)/shards --split train=0.98,valid=0.01,test=0.01 --workers 2
+	$(PY) pretrain/pretrain_ora.py --config pretrain/configs/tiny.yaml --nproc-per-node 2 \
+		--run-dir $(DEMO)/run

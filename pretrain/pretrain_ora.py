@@ -131,10 +131,10 @@ def worker(cfg: RunConfig, run_dir: Path, grad_accum: int) -> int:
                        "tokens_seen": trainer.state.tokens_seen, "skipped_steps": trainer.state.skipped_steps,
                        **counts, "allocated_by_rank": allocated}
             write_json(run_dir / "summary.json", summary)
-            print(f"metrics: {run_dir / 'metrics.jsonl'}\ncheckpoints: {run_dir / 'checkpoints'}\n"
-                  f"summary: {run_dir / 'summary.json'}", file=sys.stderr)
     if logger is not None:
         logger.close()
+        print(f"run dir: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
+              f"checkpoints: {run_dir / 'checkpoints'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
     destroy_distributed()
     return code
 
