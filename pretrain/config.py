@@ -64,6 +64,9 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     # A collective that waits longer than this fails, so ranks exit when a peer has died.
     collective_timeout_s: int = 600
+    # Fault injection: make the loss non-finite at these (1-based) steps, to exercise the
+    # skip/stop path on a real run. Empty in every real config.
+    inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
 
     @property
     def freeze_stages(self) -> list[FreezeStage]:
@@ -176,6 +179,10 @@ class RunConfig:
 
     def validate(self, key: str) -> None:
         validate_model_parallel(self.model, self.parallel)
+        decay_steps = self.optimizer.decay_steps or self.train.steps
+        check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
+              f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
+              "optimizer.decay_steps, or train.steps when unset)")
         if self.deepspeed.precision == "fp16":
             check(not self.train.freeze_stages, "train.freeze_schedule",
                   "freeze schedules are supported with fp32/bf16 only")
@@ -212,6 +219,8 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
               f"with parallel.pipeline={cfg.parallel.pipeline}")
         check(not cfg.train.freeze_stages, "train.freeze_schedule",
               "freeze schedules are not supported with pipeline parallelism yet")
+        check(not cfg.train.inject_nonfinite_loss_steps, "train.inject_nonfinite_loss_steps",
+              "fault injection is implemented for pipeline size 1 only")
     return cfg.train.global_batch_size // per_step
 
 

@@ -10,10 +10,16 @@ from typing import Optional
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
 from data_tools.manifest import blend_per_split_from_manifest, load_manifest
+from ora_megatron.config_io import ConfigError
 from pretrain.config import BlendEntry, RunConfig
 
 SPLITS = ("train", "valid", "test")
@@ -63,6 +69,40 @@ def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConf
         blend_per_split=blend_per_split, split=split, tokenizer=tokenizer,
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False, path_to_cache=str(cache_dir))
+
+
+def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple[str, list]]:
+    """(prefix, split matrix) for every indexed dataset the run reads."""
+    if config.blend is not None:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
+        return [(prefix, matrix) for prefix in config.blend[0]]
+    entries = []
+    for i, blend in enumerate(config.blend_per_split or []):
+        whole_split = [(0.0, 1.0) if j == i else None for j in range(3)]
+        entries += [(prefix, whole_split) for prefix in (blend[0] if blend else [])]
+    return entries
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Every dataset exists and gives each of its splits at least one document.
+
+    Runs in the launching process, before any worker: megatron-core raises deep inside worker
+    startup for a missing file, and loops forever on a split that rounds to zero documents.
+    """
+    if cfg.data.mock:
+        return
+    key = "data." + cfg.data.sources[0]
+    if tokenizer_path(cfg) is None:
+        raise ConfigError("data.tokenizer", "a sentencepiece model is needed to read indexed datasets")
+    config = dataset_config(cfg, build_tokenizer(cfg), cache_dir=Path("."))
+    for prefix, matrix in _datasets_and_splits(cfg, config):
+        if not (Path(prefix + ".idx").exists() and Path(prefix + ".bin").exists()):
+            raise ConfigError(key, f"no indexed dataset at {prefix} (.bin/.idx)")
+        documents = IndexedDataset(prefix).sequence_lengths.shape[0]
+        for split, bounds in zip(SPLITS, matrix):
+            if bounds is not None and round(bounds[0] * documents) == round(bounds[1] * documents):
+                raise ConfigError(key, f"{prefix}: the {split} split {bounds} holds none of its {documents} "
+                                       "documents; use fewer/larger datasets or another data.split")
 
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:

@@ -149,6 +149,13 @@ def main(argv=None) -> int:
     except (ConfigError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    try:
+        from pretrain.data import check_data
+
+        check_data(cfg)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     if args.check_only:
         print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}")

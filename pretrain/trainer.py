@@ -93,9 +93,12 @@ class Trainer:
             batches = iter([self._pipe_inputs(self._micro_batch("train", step, m)) for m in range(self.grad_accum)])
             return engine.train_batch(data_iter=batches).item()
         losses = []
+        poison = step + 1 in self.cfg.train.inject_nonfinite_loss_steps
         for micro in range(self.grad_accum):
             batch = self._micro_batch("train", step, micro)
             loss = lm_loss(engine(batch["tokens"]), (batch["labels"], batch["loss_mask"]))
+            if poison:
+                loss = loss * float("nan")
             engine.backward(loss)
             if micro == self.grad_accum - 1:
                 self.last_grad_bytes = _local_grad_bytes(engine)

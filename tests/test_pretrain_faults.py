@@ -96,6 +96,7 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     (["model.num_attention_heads=3"], "model.num_attention_heads"),
     (["train.freeze_schedule=partial_frozen", "model.attention.type=vanilla"], "train.freeze_schedule"),
     (["optimizer.lr=fast"], "optimizer.lr"),
+    (["optimizer.warmup_steps=6"], "optimizer.warmup_steps"),
 ])
 def test_config_error_names_key_and_starts_no_workers(tmp_path, overrides, key):
     run_dir = tmp_path / "never"
@@ -119,3 +120,66 @@ def test_partial_frozen_schedule_unfreezes_at_the_right_steps(tmp_path):
     losses = losses_by_step(run_dir)
     assert losses[10] < losses[1]
     assert summary(run_dir)["frozen_params"] == 0
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage):
+    import torch
+
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "poisoned"
+    run(config, run_dir, [f"deepspeed.zero_stage={zero_stage}", "train.inject_nonfinite_loss_steps=[3,4]",
+                          "checkpoint.save_interval=1", "checkpoint.keep_last=10"], nproc=2)
+    steps = {r["step"]: r for r in records(run_dir)}
+    assert steps[2]["skipped_steps"] == 0 and steps[4]["skipped_steps"] == 2 and steps[6]["skipped_steps"] == 2
+    assert summary(run_dir)["skipped_steps"] == 2
+
+    def weights(step):
+        path = run_dir / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt"
+        module = torch.load(path, weights_only=False)["module"]
+        return {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}  # not megatron's _extra_state
+
+    after_2, after_4, after_5 = weights(2), weights(4), weights(5)
+    assert all(torch.equal(after_2[k], after_4[k]) for k in after_2), "skipped steps must not update"
+    assert any(not torch.equal(after_4[k], after_5[k]) for k in after_4), "training resumes after the skips"
+    assert all(torch.isfinite(v).all() for v in after_5.values() if v.is_floating_point())
+
+
+def test_consecutive_nonfinite_steps_stop_with_a_checkpoint(tmp_path):
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "diverged"
+    out = run(config, run_dir, ["train.inject_nonfinite_loss_steps=[2,3,4,5]", "train.max_consecutive_skips=3"],
+              check=False)
+    assert out.returncode == 3
+    assert "3 consecutive steps had non-finite" in out.stderr
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000004"
+    state = __import__("json").loads((run_dir / "checkpoints" / "step00000004" / "train_state.json").read_text())
+    assert state["skipped_steps"] == 3 and state["consecutive_skips"] == 3
+
+
+def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
+    config = write_config(tmp_path, SLOWER_RUN)
+    run_dir = tmp_path / "rank_dies"
+    proc = subprocess.Popen(command(config, run_dir, ["train.steps=400", "train.collective_timeout_s=30"], nproc=2),
+                            cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _wait_for_step(run_dir, 3, proc)
+    children = [int(p.name) for p in __import__("pathlib").Path("/proc").iterdir() if p.name.isdigit()
+                and _parent(int(p.name)) == proc.pid]
+    assert len(children) == 2, children
+    os.kill(children[1], signal.SIGKILL)
+    started = time.time()
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert time.time() - started < 90
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
