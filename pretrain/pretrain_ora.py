@@ -125,8 +125,7 @@ def worker(cfg: RunConfig, run_dir: Path, grad_accum: int) -> int:
         allocated = [None] * dist.get_world_size()
         dist.all_gather_object(allocated, trainer.allocated_state())
         if rank == 0:
-            counts = {"trainable_params": sum(p.numel() for p in trainer.eng.module.parameters() if p.requires_grad),
-                      "frozen_params": sum(p.numel() for p in trainer.eng.module.parameters() if not p.requires_grad)}
+            counts = dict(zip(("trainable_params", "frozen_params"), trainer.param_counts))
             summary = {**result, "final_valid_loss": getattr(trainer, "last_valid_loss", None),
                        "tokens_seen": trainer.state.tokens_seen, "skipped_steps": trainer.state.skipped_steps,
                        **counts, "allocated_by_rank": allocated}

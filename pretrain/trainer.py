@@ -67,9 +67,10 @@ class Trainer:
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
     def _enter_freeze_stage(self, index: int) -> None:
-        if index != self.state.freeze_stage:
+        if index != self.state.freeze_stage or not hasattr(self, "param_counts"):
             self.eng = apply_freeze_stage(self.cfg, self.eng, index, self.grad_accum)
             self.state.freeze_stage = index
+            self.param_counts = parameter_counts(self.eng.module, self.eng.pipelined)
 
     def resume(self) -> bool:
         tag = checkpoint.latest_tag(self.ckpt_dir)
@@ -181,7 +182,7 @@ class Trainer:
                           "lr": self.eng.scheduler.get_lr(self.eng.engine.optimizer.param_groups[0]),
                           "grad_norm": self._grad_norm(), "tokens_per_s": tokens_per_s,
                           "step_time_s": step_time, "skipped_steps": self.state.skipped_steps,
-                          "trainable_params": self._trainable_params(),
+                          "trainable_params": self.param_counts[0],
                           "peak_mem_bytes": peak_memory_bytes()}
                 if peak_tflops is not None:
                     per_device = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
@@ -228,9 +229,6 @@ class Trainer:
             self.state.evals_without_improvement += 1
         return early.enabled and self.state.evals_without_improvement >= early.patience
 
-    def _trainable_params(self) -> int:
-        """This rank's trainable elements (ZeRO-3 keeps the full count in ds_numel)."""
-        return sum(getattr(p, "ds_numel", p.numel()) for p in self.eng.module.parameters() if p.requires_grad)
 
     def _grad_norm(self) -> Optional[float]:
         norm = self.eng.engine.get_global_grad_norm()
@@ -250,6 +248,26 @@ class Trainer:
             "optimizer_state_bytes": sum(m.numel() * m.element_size() for m in moments),
             "gradient_bytes": getattr(self, "last_grad_bytes", 0),
         }
+
+
+def parameter_counts(module: torch.nn.Module, pipelined: bool) -> tuple[int, int]:
+    """(trainable, frozen) elements of the whole model; a collective over all ranks.
+
+    Each rank counts its tensor-parallel shards, replicated weights only on TP rank 0, and a
+    pipeline's tied embedding only on the first stage; the sum over ranks covers every data-
+    parallel replica, hence the division. ZeRO-3 keeps a partitioned weight's size in ds_numel.
+    """
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    counts = torch.zeros(2, dtype=torch.float64)
+    for name, p in module.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
+            continue
+        if pipelined and name.startswith("tied_modules.") and module.stage_id != 0:
+            continue
+        counts[0 if p.requires_grad else 1] += getattr(p, "ds_numel", p.numel())
+    dist.all_reduce(counts)
+    replicas = dist.get_world_size() // (module.num_stages if pipelined else 1) // parallel_state.get_tensor_model_parallel_world_size()
+    return int(counts[0].item()) // replicas, int(counts[1].item()) // replicas
 
 
 def _local_optimizer_state(engine, param, key) -> Optional[torch.Tensor]:

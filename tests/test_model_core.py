@@ -136,3 +136,20 @@ def test_ablation_a2_trainability_flags():
         for m in qkv_linears(build(variant)):
             assert m.q_weight.requires_grad == q_trainable
             assert m.k_weight.requires_grad == k_trainable
+
+
+@pytest.mark.parametrize("case", [("gpt2", "ora_qr"), ("gpt2", "synthesizer_factorized"), ("llama", "ora_hadamard")],
+                         ids=lambda c: f"{c[0]}-{c[1]}")
+def test_stage_list_holds_the_same_parameters_as_gpt_model(case):
+    """Training assembles the stage list; the summary reads megatron's GPTModel: same parameters."""
+    from ora_megatron.stages import build_staged_gpt
+
+    family, variant = case
+    model_cfg = tiny_model(variant, family)
+    gpt = build_gpt_model(model_cfg, ParallelConfig())
+    staged = build_staged_gpt(model_cfg, ParallelConfig())
+
+    def shapes(module):
+        return sorted((tuple(p.shape), p.requires_grad) for p in module.parameters())
+
+    assert shapes(gpt) == shapes(staged)

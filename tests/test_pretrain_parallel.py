@@ -56,6 +56,14 @@ def test_optimizer_state_covers_exactly_the_trainable_params(layout_runs, layout
     assert result["frozen_params"] == 2 * 2 * 64 * 64  # Q and K of 2 layers, outside the optimizer
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parameter_counts_are_global_in_every_layout(reference, layout_runs, layout):
+    expected = summary(reference)
+    result = summary(layout_runs[layout])
+    assert (result["trainable_params"], result["frozen_params"]) == (expected["trainable_params"],
+                                                                   expected["frozen_params"])
+
+
 def test_single_process_state_and_frozen_split(reference):
     result = summary(reference)
     assert result["allocated_by_rank"][0]["optimizer_state_elements"] == 2 * result["trainable_params"]
