@@ -45,7 +45,9 @@ def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[s
 
 
 def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """The environment of an activated virtualenv (launch/ scripts call `python` and `deepspeed`)."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run(config: Path, run_dir: Path, overrides=(), nproc: int = 1, check: bool = True,

@@ -50,6 +50,8 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     for r in resumed:  # every logged step, before and after the kill, bitwise equal (fp32, CPU)
         assert r["loss"] == expected[r["step"]], f"step {r['step']}"
     assert summary(interrupted)["final_test_loss"] == summary(reference)["final_test_loss"]
+    kept = sorted(p.name for p in (interrupted / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["step00000035", "step00000040"], "keep_last=2 prunes older checkpoints"
 
 
 def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
@@ -73,6 +75,22 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert "resumed at step 6" in out.stderr
     assert losses_by_step(crashed) == losses_by_step(complete)
     assert (ckpt / "latest").read_text() == "step00000009"
+
+
+def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(tmp_path):
+    import torch
+
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "tampered"
+    run(config, run_dir, ["train.steps=3"])
+    path = run_dir / "checkpoints" / "step00000003" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    key = next(k for k in states["module"] if k.endswith("linear_qkv.q_weight"))
+    states["module"][key] = states["module"][key] + 1e-3
+    torch.save(states, path)
+    out = run(config, run_dir, ["train.steps=6"], check=False)
+    assert out.returncode != 0
+    assert "differs from the one regenerated from model.seed" in out.stderr
 
 
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
@@ -183,3 +201,16 @@ def _parent(pid: int) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def test_bf16_zero3_checkpoint_resumes_with_frozen_qk_intact(tmp_path):
+    """Upstream DeepSpeed lost frozen weights from some bf16/ZeRO-3 checkpoints; on resume ours
+    are regenerated and compared with the stored copy, so a loss or corruption would fail here."""
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "bf16_zero3"
+    overrides = ["deepspeed.precision=bf16", "deepspeed.zero_stage=3"]
+    run(config, run_dir, overrides, nproc=2)
+    out = run(config, run_dir, overrides + ["train.steps=9"], nproc=2)
+    assert "resumed at step 6" in out.stderr
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == list(range(1, 10)) and losses[9] < losses[1]

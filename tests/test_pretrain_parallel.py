@@ -64,6 +64,12 @@ def test_parameter_counts_are_global_in_every_layout(reference, layout_runs, lay
                                                                    expected["frozen_params"])
 
 
+def test_activation_checkpointing_changes_no_loss(reference, workdir):
+    run_dir = workdir / "recompute"
+    run(write_config(workdir), run_dir, ["train.activation_checkpointing=true"])
+    assert losses_by_step(run_dir) == losses_by_step(reference)
+
+
 def test_single_process_state_and_frozen_split(reference):
     result = summary(reference)
     assert result["allocated_by_rank"][0]["optimizer_state_elements"] == 2 * result["trainable_params"]
