@@ -46,11 +46,9 @@ class TrainState:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, grad_accum: int):
-        self.cfg, self.run_dir, self.grad_accum = cfg, run_dir, grad_accum
-        self.rank = dist.get_rank()
+        self.cfg, self.grad_accum = cfg, grad_accum
         self.ckpt_dir = run_dir / "checkpoints"
-        self.tokenizer = build_tokenizer(cfg)
-        self.datasets = build_datasets(cfg, self.tokenizer, run_dir / "data_cache")
+        self.datasets = build_datasets(cfg, build_tokenizer(cfg), run_dir / "data_cache")
         self.state = TrainState()
         self.eng: Engine = build_engine(cfg, grad_accum)
         self._enter_freeze_stage(freeze_stage_index(cfg, 0))
