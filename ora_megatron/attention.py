@@ -66,7 +66,7 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+                attention_bias=None, packed_seq_params=None, **_newer_megatron_kwargs):
         # megatron layout [s, b, heads, d] -> SDPA layout [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = F.scaled_dot_product_attention(
