@@ -183,9 +183,12 @@ class RunConfig:
         check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
               f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
               "optimizer.decay_steps, or train.steps when unset)")
-        if self.deepspeed.precision == "fp16":
-            check(not self.train.freeze_stages, "train.freeze_schedule",
+        if self.train.freeze_stages:
+            check(self.deepspeed.precision != "fp16", "train.freeze_schedule",
                   "freeze schedules are supported with fp32/bf16 only")
+            # The hand-over rebuilds the engine on the same module; ZeRO-3 has partitioned it.
+            check(self.deepspeed.zero_stage <= 2, "train.freeze_schedule",
+                  f"freeze schedules are supported with ZeRO-0/1/2, got deepspeed.zero_stage={self.deepspeed.zero_stage}")
         if self.train.freeze_stages:
             check(self.model.attention.custom_qkv, "train.freeze_schedule",
                   f"needs random Q/K to freeze (attention type ora/frozen_*), got '{self.model.attention.type}'")

@@ -115,6 +115,7 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     (["train.freeze_schedule=partial_frozen", "model.attention.type=vanilla"], "train.freeze_schedule"),
     (["optimizer.lr=fast"], "optimizer.lr"),
     (["optimizer.warmup_steps=6"], "optimizer.warmup_steps"),
+    (["train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=3"], "train.freeze_schedule"),
 ])
 def test_config_error_names_key_and_starts_no_workers(tmp_path, overrides, key):
     run_dir = tmp_path / "never"
