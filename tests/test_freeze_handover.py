@@ -50,7 +50,7 @@ def _steps_by_group(engine) -> dict:
             if "step" in base.state.get(g["params"][0], {})}
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_unfreeze_keeps_adam_state(zero_stage):
     cfg = _config(zero_stage)
     eng = build_engine(cfg, grad_accum=1)
