@@ -160,20 +160,22 @@ class RandomQKVLinear(torch.nn.Module):
 
     def generate_qk(self, layer_number: int) -> None:
         """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2)."""
-        for role, param, heads, trainable in (
-            ("q", self.q_weight, self.config.num_attention_heads, self.attention.train_q),
-            ("k", self.k_weight, self.config.num_query_groups, self.attention.train_k),
-        ):
-            full = self.expected_weight(role, layer_number, heads)
-            rank, _ = _tp_rank_size(self.tp_group)
-            rows = param.size(0)
+        self.layer_number = layer_number
+        for role, param, trainable in (("q", self.q_weight, self.attention.train_q),
+                                       ("k", self.k_weight, self.attention.train_k)):
             with torch.no_grad():
-                param.copy_(full[rank * rows:(rank + 1) * rows])
+                param.copy_(self.local_weight(role))
             param.requires_grad_(trainable)
             if self.uses_hadamard_runtime and not trainable:
                 transform = hadamard_transform_for(self.seed, layer_number, role, self.config.hidden_size)
                 setattr(self, f"{role}_transform", transform)
-        self.layer_number = layer_number
+
+    def local_weight(self, role: str) -> torch.Tensor:
+        """This rank's heads of the regenerated Q or K weight of this layer."""
+        heads = self.config.num_attention_heads if role == "q" else self.config.num_query_groups
+        rows = (self.heads if role == "q" else self.groups) * self.head_dim
+        rank, _ = _tp_rank_size(self.tp_group)
+        return self.expected_weight(role, self.layer_number, heads)[rank * rows:(rank + 1) * rows]
 
     def expected_weight(self, role: str, layer_number: int, heads: int) -> torch.Tensor:
         """The full (all heads, all ranks) random Q or K weight of this layer, regenerated."""

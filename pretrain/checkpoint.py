@@ -99,13 +99,10 @@ def restore_frozen_qk(module: torch.nn.Module) -> int:
     """
     checked = 0
     for linear in (m for m in module.modules() if isinstance(m, RandomQKVLinear)):
-        for role, param, heads in (("q", linear.q_weight, linear.config.num_attention_heads),
-                                   ("k", linear.k_weight, linear.config.num_query_groups)):
+        for role, param in (("q", linear.q_weight), ("k", linear.k_weight)):
             if param.requires_grad:
                 continue
-            rank = linear.tp_group.rank() if linear.tp_group is not None else 0
-            rows = linear.heads * linear.head_dim if role == "q" else linear.groups * linear.head_dim
-            expected = linear.expected_weight(role, linear.layer_number, heads)[rank * rows:(rank + 1) * rows]
+            expected = linear.local_weight(role)
             with GatheredParameters([param], modifier_rank=0):
                 if not torch.equal(param.data.cpu(), expected.to(param.dtype)):
                     raise RuntimeError(
