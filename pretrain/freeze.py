@@ -51,17 +51,16 @@ def trainability(cfg: RunConfig, index: int) -> dict[tuple[int, str], bool]:
     return {(layer, role): layer not in frozen[role] for layer in range(1, n + 1) for role in ("q", "k")}
 
 
-def _set_trainability(module: torch.nn.Module, wanted: dict, index: int) -> bool:
-    changed = False
+def _trainability_changes(module: torch.nn.Module, wanted: dict) -> list[tuple[torch.nn.Parameter, bool]]:
+    """The Q/K parameters whose requires_grad differs from `wanted`, with their new flag."""
+    changes = []
     for linear in (m for m in module.modules() if isinstance(m, RandomQKVLinear)):
         for role in ("q", "k"):
             param = getattr(linear, f"{role}_weight")
             flag = wanted[(linear.layer_number, role)]
             if param.requires_grad != flag:
-                param.requires_grad_(flag)
-                param.optimizer_cohort = f"stage{index}"  # its own Adam step count
-                changed = True
-    return changed
+                changes.append((param, flag))
+    return changes
 
 
 def _base_optimizer(engine):
@@ -120,9 +119,13 @@ def _restore(engine, per_param: dict, steps: dict) -> None:
 def apply_freeze_stage(cfg: RunConfig, eng, index: int, grad_accum: int):
     """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed."""
     module = eng.module
-    per_param, steps = _capture(eng.engine)
-    if not _set_trainability(module, trainability(cfg, index), index):
+    changes = _trainability_changes(module, trainability(cfg, index))
+    if not changes:
         return eng
+    per_param, steps = _capture(eng.engine)
+    for param, flag in changes:
+        param.requires_grad_(flag)
+        param.optimizer_cohort = f"stage{index}"  # its own Adam step count
     scheduler_state = eng.scheduler.state_dict()
     eng.engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
     new = build_engine(cfg, grad_accum, model=module)
