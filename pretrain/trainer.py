@@ -49,8 +49,10 @@ class Trainer:
         self.cfg, self.grad_accum = cfg, grad_accum
         self.ckpt_dir = run_dir / "checkpoints"
         self.datasets = build_datasets(cfg, build_tokenizer(cfg), run_dir / "data_cache")
-        self.state = TrainState()
+        self.state = TrainState()  # freeze_stage -1: the attention config's own trainability
         self.eng: Engine = build_engine(cfg, grad_accum)
+        self.param_counts = parameter_counts(self.eng.module, self.eng.pipelined)
+        self.grad_bytes: Optional[int] = None  # measured once per trainable set, see _train_step
         self._enter_freeze_stage(freeze_stage_index(cfg, 0))
         self.order = BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size())
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
@@ -65,10 +67,11 @@ class Trainer:
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
     def _enter_freeze_stage(self, index: int) -> None:
-        if index != self.state.freeze_stage or not hasattr(self, "param_counts"):
+        if index != self.state.freeze_stage:
             self.eng = apply_freeze_stage(self.cfg, self.eng, index, self.grad_accum)
             self.state.freeze_stage = index
             self.param_counts = parameter_counts(self.eng.module, self.eng.pipelined)
+            self.grad_bytes = None
 
     def resume(self) -> bool:
         tag = checkpoint.latest_tag(self.ckpt_dir)
@@ -86,21 +89,29 @@ class Trainer:
     def _micro_batch(self, split: str, step: int, micro: int) -> dict:
         return collate(self.datasets[split], self.order.indices(step, micro))
 
+    def _micro_loss(self, split: str, step: int, micro: int) -> torch.Tensor:
+        batch = self._micro_batch(split, step, micro)
+        return lm_loss(self.eng.engine(batch["tokens"]), (batch["labels"], batch["loss_mask"]))
+
+    def _pipe_batches(self, split: str, step: int):
+        """One step's micro-batches as DeepSpeed's pipeline engine takes them: (inputs, labels)."""
+        batches = [self._micro_batch(split, step, m) for m in range(self.grad_accum)]
+        return iter([(b["tokens"], (b["labels"], b["loss_mask"])) for b in batches])
+
     def _train_step(self, step: int) -> float:
         engine = self.eng.engine
         if self.eng.pipelined:
-            batches = iter([self._pipe_inputs(self._micro_batch("train", step, m)) for m in range(self.grad_accum)])
-            return engine.train_batch(data_iter=batches).item()
+            return engine.train_batch(data_iter=self._pipe_batches("train", step)).item()
         losses = []
         poison = step + 1 in self.cfg.train.inject_nonfinite_loss_steps
         for micro in range(self.grad_accum):
-            batch = self._micro_batch("train", step, micro)
-            loss = lm_loss(engine(batch["tokens"]), (batch["labels"], batch["loss_mask"]))
+            loss = self._micro_loss("train", step, micro)
             if poison:
                 loss = loss * float("nan")
             engine.backward(loss)
             if micro == self.grad_accum - 1:
-                self.last_grad_bytes = _local_grad_bytes(engine)
+                if self.grad_bytes is None:  # gradient storage only changes with the trainable set
+                    self.grad_bytes = _local_grad_bytes(engine)
                 if self.cfg.deepspeed.zero_stage == 0:  # DeepSpeed clips but does not keep the norm here
                     trainable = [p for p in engine.module.parameters() if p.requires_grad]
                     self.zero0_grad_norm = float(get_flattened_grad_norm(trainable, mpu=MegatronMPU()))
@@ -109,10 +120,6 @@ class Trainer:
         loss = torch.stack(losses).mean()
         dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         return loss.item() / parallel_state.get_data_parallel_world_size()
-
-    @staticmethod
-    def _pipe_inputs(batch: dict):
-        return batch["tokens"], (batch["labels"], batch["loss_mask"])
 
     @torch.no_grad()
     def evaluate(self, split: str) -> Optional[float]:
@@ -123,12 +130,9 @@ class Trainer:
         losses = []
         for i in range(self.cfg.train.eval_iters):
             if self.eng.pipelined:
-                batches = iter([self._pipe_inputs(self._micro_batch(split, i, m)) for m in range(self.grad_accum)])
-                losses.append(engine.eval_batch(data_iter=batches).float())
+                losses.append(engine.eval_batch(data_iter=self._pipe_batches(split, i)).float())
             else:
-                for micro in range(self.grad_accum):
-                    batch = self._micro_batch(split, i, micro)
-                    losses.append(lm_loss(engine(batch["tokens"]), (batch["labels"], batch["loss_mask"])))
+                losses += [self._micro_loss(split, i, micro) for micro in range(self.grad_accum)]
         engine.train()
         loss = torch.stack(losses).mean()
         if not self.eng.pipelined:
@@ -244,7 +248,7 @@ class Trainer:
         return {
             "optimizer_state_elements": sum(m.numel() for m in moments),
             "optimizer_state_bytes": sum(m.numel() * m.element_size() for m in moments),
-            "gradient_bytes": getattr(self, "last_grad_bytes", 0),
+            "gradient_bytes": self.grad_bytes or 0,
         }
 
 
