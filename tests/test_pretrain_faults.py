@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -172,7 +174,7 @@ def test_consecutive_nonfinite_steps_stop_with_a_checkpoint(tmp_path):
     assert out.returncode == 3
     assert "3 consecutive steps had non-finite" in out.stderr
     assert (run_dir / "checkpoints" / "latest").read_text() == "step00000004"
-    state = __import__("json").loads((run_dir / "checkpoints" / "step00000004" / "train_state.json").read_text())
+    state = json.loads((run_dir / "checkpoints" / "step00000004" / "train_state.json").read_text())
     assert state["skipped_steps"] == 3 and state["consecutive_skips"] == 3
 
 
@@ -183,7 +185,7 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
                             cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _wait_for_step(run_dir, 3, proc)
-    children = [int(p.name) for p in __import__("pathlib").Path("/proc").iterdir() if p.name.isdigit()
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
                 and _parent(int(p.name)) == proc.pid]
     assert len(children) == 2, children
     os.kill(children[1], signal.SIGKILL)
