@@ -1,4 +1,4 @@
-"""YAML → typed dataclasses, with dotted `--set key=value` overrides.
+"""YAML → typed dataclasses, with dotted `--set key=value` overrides and `base:` inheritance.
 
 One mechanism for every config in the repository: a section is a dataclass; `from_dict` walks the
 YAML mapping against the dataclass fields, converts scalars, rejects unknown keys and wrong types,
@@ -24,12 +24,45 @@ class ConfigError(ValueError):
         super().__init__(f"config error at '{key}': {message}")
 
 
-def load_yaml(path: str | Path) -> dict:
+BASE_KEY = "base"
+
+
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML mapping. A top-level `base: other.yaml` (relative to this file) is read first,
+    recursively, and this file's values are deep-merged over it."""
+    path = Path(path)
+    data = _read_mapping(path)
+    if BASE_KEY not in data:
+        return data
+    chain = (*_chain, path.resolve())
+    base = data.pop(BASE_KEY)
+    if not isinstance(base, str):
+        raise ConfigError(BASE_KEY, f"{path}: expected a YAML file name, got {base!r}")
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise ConfigError(BASE_KEY, f"{path}: base file {base_path} not found")
+    if base_path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, base_path.resolve()))
+        raise ConfigError(BASE_KEY, f"{path}: base files form a cycle: {cycle}")
+    return deep_merge(load_yaml(base_path, chain), data)
+
+
+def _read_mapping(path: Path) -> dict:
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ConfigError("<root>", f"{path} must hold a mapping, got {type(data).__name__}")
     return data
+
+
+def deep_merge(base: dict, child: dict) -> dict:
+    """`child` over `base`: mappings merge key by key, any other value (lists too) replaces."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = deep_merge(merged[key], value)
+        merged[key] = value
+    return merged
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -24,21 +24,23 @@ FROZEN_QK_INIT = {"ora": "orthogonal", "frozen_gaussian": "gaussian", "frozen_un
 @dataclass
 class AttentionConfig:
     type: AttentionType = "vanilla"
-    # ora: how the orthogonal Q/K are drawn (ablation A7); hadamard heads are always jointly orthonormal.
+    """Attention variant: Q·K scores (vanilla, ora, frozen_*) or a learned/fixed N×N mixing matrix (the rest)."""
     orthogonal_method: Literal["qr", "svd", "householder", "cayley", "hadamard"] = "qr"
-    # ora: all heads of a role jointly orthonormal (needs heads·d_k ≤ d_model) instead of per head.
+    """ora: how the orthogonal Q/K are drawn (ablation A7); hadamard heads are always jointly orthonormal."""
     joint_heads: bool = False
-    # ora / frozen_*: ablation A2, train Q and/or K from their random init instead of freezing them.
+    """ora: all heads of a role jointly orthonormal (needs heads·d_k ≤ d_model) instead of per head."""
     train_q: bool = False
+    """ora / frozen_*: train Q from its random init instead of freezing it (ablation A2)."""
     train_k: bool = False
-    # frozen_gaussian: std of N(0, std²); frozen_uniform: bound of U(-std, std); synthesizers: init std.
+    """ora / frozen_*: train K from its random init instead of freezing it (ablation A2)."""
     init_std: float = 0.02
-    # synthesizer_random: R trainable (true) or fixed at its random init (false).
+    """frozen_gaussian: std of N(0, std²); frozen_uniform: bound of U(-std, std); synthesizers, gaussian fixed R: init std."""
     synthesizer_trainable: bool = True
-    # synthesizer_factorized: rank k of R = R1·R2ᵀ.
+    """synthesizer_random: R trainable (true) or fixed at its random init (false)."""
     synthesizer_rank: int = 64
-    # fixed_random_attention: distribution of the fixed R.
+    """synthesizer_factorized: rank k of R = R1·R2ᵀ (≤ model.seq_length)."""
     fixed_init: Literal["orthogonal", "gaussian"] = "orthogonal"
+    """fixed_random_attention: distribution of the fixed R."""
 
     @property
     def uses_qk(self) -> bool:
@@ -59,26 +61,40 @@ class AttentionConfig:
 
 @dataclass
 class ModelConfig:
-    # gpt2: learned absolute positions, LayerNorm, GELU, biases, tied embeddings (the research plan's
-    # model). llama: RoPE, RMSNorm, SwiGLU, no biases, untied output layer.
     family: Literal["gpt2", "llama"] = "gpt2"
+    """gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings (research plan); llama: RoPE, RMSNorm, SwiGLU, no biases, untied output."""
     num_layers: int = 2
+    """Number of transformer layers."""
     hidden_size: int = 64
+    """Model width d_model."""
     num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # GQA; None = one K/V head per query head
-    kv_channels: Optional[int] = None  # d_k; None = hidden_size / num_attention_heads
-    ffn_hidden_size: Optional[int] = None  # None = 4 · hidden_size
+    """Number of query heads."""
+    num_query_groups: Optional[int] = None
+    """K/V heads for grouped-query attention (divides num_attention_heads); null = one K/V head per query head."""
+    kv_channels: Optional[int] = None
+    """Per-head dimension d_k; null = hidden_size / num_attention_heads."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width (llama: of each SwiGLU branch); null = 4 · hidden_size."""
     seq_length: int = 128
+    """Tokens per training sample; also the number of learned positions (gpt2) and the synthesizers' N."""
     vocab_size: int = 256
+    """Tokenizer vocabulary size; the embedding is padded up to a multiple of make_vocab_size_divisible_by."""
     make_vocab_size_divisible_by: int = 128
+    """Pad the embedding/output rows to a multiple of this (must be divisible by parallel.tensor)."""
     hidden_dropout: float = 0.1
+    """Dropout probability on the embeddings and on the attention and MLP outputs, in [0, 1)."""
     attention_dropout: float = 0.1
+    """Dropout probability on the attention weights, in [0, 1)."""
     init_std: float = 0.02
+    """Std of the normal init of trainable weights (megatron-core's init_method_std)."""
     layernorm_epsilon: float = 1e-5
+    """Epsilon of LayerNorm (gpt2) / RMSNorm (llama)."""
     rotary_base: int = 10000
-    # Seed of every random init, frozen Q/K included: frozen Q/K are a function of (seed, layer, role).
+    """RoPE base frequency (llama only)."""
     seed: int = 42
+    """Seed of every random init, frozen Q/K included: frozen Q/K are a function of (seed, layer, role)."""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """The attention variant and its options."""
 
     @property
     def head_dim(self) -> int:
@@ -124,7 +140,9 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tensor: int = 1
+    """Tensor-parallel size (megatron-core layers; splits heads and the MLP)."""
     pipeline: int = 1
+    """Pipeline-parallel size (DeepSpeed PipelineModule; splits layers); data parallel is world size / (tensor · pipeline)."""
 
     def validate(self, key: str) -> None:
         check(self.tensor >= 1, f"{key}.tensor", "must be >= 1")

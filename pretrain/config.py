@@ -25,8 +25,11 @@ class FreezeStage:
     """From `start` (fraction of train.steps) on, these layers' Q and/or K are frozen."""
 
     start: float = 0.0
+    """Fraction of train.steps at which this stage begins, in [0, 1); before the first, attention.train_q/k apply."""
     frozen_q: LayerSet = "all"
+    """Layers whose Q is frozen (1-based numbers, or a named set); the other layers' Q train."""
     frozen_k: LayerSet = "all"
+    """Layers whose K is frozen (1-based numbers, or a named set); the other layers' K train."""
 
     def validate(self, key: str) -> None:
         check(0.0 <= self.start < 1.0, f"{key}.start", "must be in [0, 1)")
@@ -44,29 +47,39 @@ PARTIAL_FROZEN = [
 @dataclass
 class EarlyStopping:
     enabled: bool = False
-    patience: int = 10  # evaluations without improvement
+    """Stop the run when the validation loss has not improved for `patience` evaluations."""
+    patience: int = 10
+    """Evaluations without improvement before stopping."""
     min_delta: float = 0.001
+    """A validation loss counts as an improvement when below the best so far minus this."""
 
 
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 4
+    """Samples per forward/backward pass on each data-parallel rank."""
     global_batch_size: int = 8
+    """Samples per optimizer step over all ranks; a multiple of micro_batch_size × data-parallel size."""
     steps: int = 100
+    """Optimizer steps of the run (also sizes the train dataset: steps × global_batch_size samples)."""
     log_interval: int = 1
+    """Log train metrics every this many steps (skipped steps are always logged)."""
     eval_interval: int = 50
+    """Evaluate the validation loss every this many steps, and at the last step."""
     eval_iters: int = 4
+    """Global batches per evaluation (the same fixed batches every time)."""
     activation_checkpointing: bool = False
-    # A named schedule ("partial_frozen") or an explicit list of stages; empty = no schedule.
+    """Recompute each transformer layer's activations in the backward pass to save memory."""
     freeze_schedule: Union[Literal["none", "partial_frozen"], list[FreezeStage]] = "none"
+    """none, partial_frozen (50% of steps all Q/K frozen, 30% the first half, 20% none) or a list of stages."""
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
-    # Steps with a non-finite loss are skipped; this many in a row stops the run.
+    """Stop on a validation-loss plateau."""
     max_consecutive_skips: int = 5
-    # A collective that waits longer than this fails, so ranks exit when a peer has died.
+    """Steps with a non-finite loss are skipped; this many in a row stops the run."""
     collective_timeout_s: int = 600
-    # Fault injection: make the loss non-finite at these (1-based) steps, to exercise the
-    # skip/stop path on a real run. Empty in every real config.
+    """A collective that waits longer than this (seconds) fails, so ranks exit when a peer has died."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
+    """Fault injection: make the loss non-finite at these (1-based) steps; empty in every real config."""
 
     @property
     def freeze_stages(self) -> list[FreezeStage]:
@@ -87,42 +100,64 @@ class TrainConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = 5e-4
+    """Peak learning rate (reached at the end of warmup)."""
     min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr, in [0, 1]."""
     warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr."""
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    decay_steps: Optional[int] = None  # None = train.steps
+    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr)."""
+    decay_steps: Optional[int] = None
+    """Step (warmup included) at which the decay reaches lr · min_lr_ratio; null = train.steps."""
     beta1: float = 0.9
+    """AdamW β1, in [0, 1)."""
     beta2: float = 0.98
+    """AdamW β2, in [0, 1)."""
     eps: float = 1e-8
+    """AdamW ε."""
     weight_decay: float = 0.01
+    """AdamW weight decay of matrices; biases, norms and embeddings get none."""
     clip_grad: float = 1.0
+    """Clip the global gradient norm to this (DeepSpeed gradient_clipping)."""
 
     def validate(self, key: str) -> None:
         check(self.lr > 0, f"{key}.lr", "must be > 0")
         check(0.0 <= self.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be in [0, 1]")
         check(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
-        check(0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0, f"{key}.beta2", "betas must be in [0, 1)")
+        for name in ("beta1", "beta2"):
+            check(0.0 <= getattr(self, name) < 1.0, f"{key}.{name}", "must be in [0, 1)")
 
 
 @dataclass
 class BlendEntry:
-    path: str  # megatron indexed-dataset prefix (no .bin/.idx)
+    path: str
+    """Megatron indexed-dataset prefix (no .bin/.idx)."""
     weight: float = 1.0
+    """Relative sampling weight within the blend."""
 
 
 @dataclass
 class DataConfig:
-    # Exactly one source: a data_tools manifest, explicit prefixes, or megatron's mock dataset.
     manifest: Optional[str] = None
-    blend: list[BlendEntry] = field(default_factory=list)  # one blend, cut by `split`
-    split: str = "98,1,1"  # train,valid,test ratios for `blend`
-    train_blend: list[BlendEntry] = field(default_factory=list)  # or separate lists per split
+    """A data_tools manifest (JSON); exactly one source of manifest, blend, train_blend, mock is set."""
+    blend: list[BlendEntry] = field(default_factory=list)
+    """One blend of indexed datasets, cut into train/valid/test by `split`."""
+    split: str = "98,1,1"
+    """train,valid,test ratios for `blend`, for `mock`, and for a manifest built without --split."""
+    train_blend: list[BlendEntry] = field(default_factory=list)
+    """Or separate blends per split: the train blend (with valid_blend, test_blend)."""
     valid_blend: list[BlendEntry] = field(default_factory=list)
+    """Validation blend, read only with train_blend; empty = no validation."""
     test_blend: list[BlendEntry] = field(default_factory=list)
+    """Test blend, read only with train_blend; empty = no final test loss."""
     mock: bool = False
-    tokenizer: Optional[str] = None  # sentencepiece .model; defaults to the manifest's
+    """Megatron-core's mock dataset (synthetic tokens), no files needed."""
+    tokenizer: Optional[str] = None
+    """Sentencepiece .model; null = the manifest's (mock data: megatron-core's null tokenizer)."""
     seed: int = 1234
+    """Seed of megatron-core's dataset shuffling."""
     eod_mask_loss: bool = False
+    """Leave end-of-document tokens out of the loss."""
 
     @property
     def sources(self) -> list[str]:
@@ -141,7 +176,9 @@ class DataConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 0
+    """ZeRO stage 0, 1, 2 or 3 (merges ds_configs/zero{N}.json)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision (merges ds_configs/{precision}.json)."""
 
     def validate(self, key: str) -> None:
         check(self.zero_stage in (0, 1, 2, 3), f"{key}.zero_stage", "must be 0, 1, 2 or 3")
@@ -150,16 +187,21 @@ class DeepSpeedConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
-    # wandb never touches the network unless mode is "online".
+    """Write TensorBoard events to the run dir's tensorboard/ folder."""
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; wandb never touches the network unless mode is "online"."""
     wandb_project: str = "ora"
+    """wandb project name."""
     progress: bool = True
+    """Show a progress bar (loss, lr, tokens/s) on stderr."""
 
 
 @dataclass
 class CheckpointConfig:
     save_interval: int = 100
+    """Save every this many steps (and at the last step, on early stop and on SIGTERM/SIGINT)."""
     keep_last: int = 2
+    """Checkpoints kept; older ones are deleted after each save."""
 
     def validate(self, key: str) -> None:
         check(self.save_interval > 0, f"{key}.save_interval", "must be > 0")
@@ -169,13 +211,21 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture, sizes and attention variant."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Model parallelism; data parallelism takes the remaining processes."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch sizes, steps, evaluation, freeze schedule and fault tolerance."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW with megatron-core's warmup + decay schedule."""
     data: DataConfig = field(default_factory=lambda: DataConfig(mock=True))
+    """Datasets and tokenizer; without a data section, the mock dataset."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO stage and precision."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard, wandb and the progress bar (metrics.jsonl is always written)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint frequency and retention."""
 
     def validate(self, key: str) -> None:
         validate_model_parallel(self.model, self.parallel)
@@ -189,7 +239,6 @@ class RunConfig:
             # The hand-over rebuilds the engine on the same module; ZeRO-3 has partitioned it.
             check(self.deepspeed.zero_stage <= 2, "train.freeze_schedule",
                   f"freeze schedules are supported with ZeRO-0/1/2, got deepspeed.zero_stage={self.deepspeed.zero_stage}")
-        if self.train.freeze_stages:
             check(self.model.attention.custom_qkv, "train.freeze_schedule",
                   f"needs random Q/K to freeze (attention type ora/frozen_*), got '{self.model.attention.type}'")
             for i, stage in enumerate(self.train.freeze_stages):
