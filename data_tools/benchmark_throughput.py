@@ -9,6 +9,7 @@ the documents' text, input MB/s the bytes of the input files as stored (compress
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -16,14 +17,14 @@ import sys
 import tempfile
 
 from data_tools import build_shards
+from data_tools.build_options import BuildOptions
 
 
-def measure(build_argv: list[str], workers: int) -> dict:
+def measure(options: BuildOptions, workers: int) -> dict:
+    """One complete build with `workers` processes into a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="benchmark_shards_") as out_dir:
-        args = build_shards.parse_args(
-            [*build_argv, "--output-dir", out_dir, "--workers", str(workers), "--quiet"]
-        )
-        stats = build_shards.build(args)
+        run_options = dataclasses.replace(options, output_dir=out_dir, workers=workers, quiet=True)
+        stats = build_shards.build(run_options)
     seconds = stats["seconds"]
     return {
         "workers": workers,
@@ -60,10 +61,14 @@ def main(argv=None) -> None:
                         help="runs per worker count; the fastest is kept")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args, build_options = parser.parse_known_args(argv)
-    build_argv = ["--input", *args.input, "--tokenizer", args.tokenizer, *build_options]
+    # build_shards' command line checks the forwarded options; measure sets the output directory
+    options = build_shards.parse_args(
+        ["--input", *args.input, "--tokenizer", args.tokenizer, "--output-dir", os.devnull,
+         *build_options]
+    )
     results = []
     for workers in args.workers:
-        runs = [measure(build_argv, workers) for _ in range(args.repeat)]
+        runs = [measure(options, workers) for _ in range(args.repeat)]
         results.append(min(runs, key=lambda run: run["seconds"]))
         print(table(results[-1:]).splitlines()[-1], file=sys.stderr)
     report = {

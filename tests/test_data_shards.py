@@ -2,9 +2,11 @@
 SlimPajama-format corpus, their manifest, splits, blends, determinism, resume and --strict."""
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +24,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from data_tools import build_shards, readers, train_tokenizer
 from data_tools import inspect as inspect_tool
+from data_tools.build_options import BuildOptionError, BuildOptions
 from data_tools.manifest import blend_from_manifest, blend_per_split_from_manifest
+from data_tools.split_plan import SplitPlan
 
 REPO = Path(__file__).resolve().parents[1]
 SPLIT = "train=0.8,valid=0.1,test=0.1"
@@ -93,7 +97,7 @@ def shard_files(out_dir) -> dict[str, bytes]:
 
 def test_documents_round_trip_per_source_and_split(corpus, tokenizer, baseline):
     out_dir, manifest = baseline
-    plan = build_shards.SplitPlan(FRACTIONS, "documents", 1234)
+    plan = SplitPlan(FRACTIONS, "documents", 1234)
     expected = defaultdict(list)
     for document in corpus.documents:
         expected[(document.source, document_split(corpus, document, plan))].append(document.text)
@@ -226,6 +230,47 @@ def test_two_workers_write_byte_identical_datasets(corpus, tokenizer_path, basel
     assert shard_files(tmp_path) == shard_files(out_dir)
     assert other["datasets"] == manifest["datasets"]
     assert other["blend"] == manifest["blend"]
+
+
+def test_library_build_without_argparse_matches_the_command_line(corpus, tokenizer_path, baseline,
+                                                                  tmp_path):
+    out_dir, manifest = baseline
+    options = BuildOptions(input=[corpus.root], tokenizer=tokenizer_path, output_dir=str(tmp_path),
+                           workers=1, split_by_source=True, split=FRACTIONS,
+                           max_shard_tokens=800, quiet=True)
+    stats = build_shards.build(options)
+    library_manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert stats["documents_tokenized"] == manifest["totals"]["documents"]
+    assert shard_files(tmp_path) == shard_files(out_dir)
+    assert library_manifest["datasets"] == manifest["datasets"]
+    assert library_manifest["options"] == {**manifest["options"], "output_dir": str(tmp_path)}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"workers": 0}, "--workers must be >= 1"),
+    ({"max_shard_tokens": 0}, "--max-shard-tokens must be >= 1"),
+    ({"weights": {"RedPajamaC4": 1.0}}, "--weights needs --split-by-source"),
+    ({"weights": {"RedPajamaC4": -1.0}, "split_by_source": True}, "--weights must be >= 0"),
+    ({"split_mode": "by_file"}, "--split-mode must be one of documents, contiguous"),
+    ({"split": (0.8, 0.2)}, "--split must be 3 fractions"),
+    ({"split": (8.0, 1.0, 1.0)}, "--split must be 3 fractions"),
+])
+def test_invalid_build_options_raise_naming_the_option(change, message, tmp_path):
+    valid = BuildOptions(input=["corpus"], tokenizer="sp.model", output_dir=str(tmp_path))
+    with pytest.raises(BuildOptionError, match=re.escape(message)):
+        BuildOptions(input=["corpus"], tokenizer="sp.model", output_dir=str(tmp_path), **change)
+    with pytest.raises(BuildOptionError, match=re.escape(message)):
+        dataclasses.replace(valid, **change)
+
+
+def test_command_line_reports_invalid_options_as_usage_errors(capsys):
+    for flags, message in ((["--workers", "0"], "--workers must be >= 1"),
+                           (["--weights", "a=1"], "--weights needs --split-by-source")):
+        with pytest.raises(SystemExit) as exit_info:
+            build_shards.parse_args(["--input", "corpus", "--tokenizer", "sp.model",
+                                     "--output-dir", "out", *flags])
+        assert exit_info.value.code == 2
+        assert f"error: {message}" in capsys.readouterr().err
 
 
 @contextlib.contextmanager
