@@ -17,12 +17,11 @@ tensor-parallel rank's heads, so every TP size sees the same model.
 
 from __future__ import annotations
 
-
-import torch
-import torch.nn.functional as F
 from dataclasses import dataclass
 from typing import Union
 
+import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
     set_tensor_model_parallel_attributes,
@@ -257,8 +256,11 @@ class SynthesizerAttention(MegatronModule):
         n = max_seq_length
         if attention.type == "synthesizer_factorized":
             k = attention.synthesizer_rank
-            self.r1 = torch.nn.Parameter(self._per_head(my_heads, "synth_r1", seed, lambda g: torch.randn(n, k, generator=g) * attention.init_std))
-            self.r2 = torch.nn.Parameter(self._per_head(my_heads, "synth_r2", seed, lambda g: torch.randn(n, k, generator=g) * attention.init_std))
+            def draw_factor(g):
+                return torch.randn(n, k, generator=g) * attention.init_std
+
+            self.r1 = torch.nn.Parameter(self._per_head(my_heads, "synth_r1", seed, draw_factor))
+            self.r2 = torch.nn.Parameter(self._per_head(my_heads, "synth_r2", seed, draw_factor))
         else:
             if attention.type == "fixed_random_attention" and attention.fixed_init == "orthogonal":
                 draw = lambda g: orthogonal_matrix("qr", n, n, g)  # noqa: E731

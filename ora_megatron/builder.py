@@ -1,7 +1,9 @@
-"""Model config → megatron-core TransformerConfig, layer spec and GPTModel.
+"""Model config → megatron-core TransformerConfig and layer spec.
 
 The attention variant is chosen by swapping the `self_attention` submodule of megatron-core's
 local GPT layer spec; everything else (norms, MLP, embeddings, output layer) is megatron-core's.
+The family (families/) decides norm, activation, MLP gating and biases. The model itself is
+assembled from these parts in stages.py.
 """
 
 from __future__ import annotations
@@ -9,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -27,6 +27,7 @@ from ora_megatron.attention import (
     SynthesizerAttention,
     SynthesizerSubmodules,
 )
+from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 
 
@@ -39,7 +40,7 @@ def padded_vocab_size(model: ModelConfig) -> int:
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
                        params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
-    gpt2 = model.family == "gpt2"
+    family = family_of(model)
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -51,10 +52,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_std,
         layernorm_epsilon=model.layernorm_epsilon,
-        normalization="LayerNorm" if gpt2 else "RMSNorm",
-        activation_func=F.gelu if gpt2 else F.silu,
-        gated_linear_unit=not gpt2,
-        add_bias_linear=gpt2,
+        normalization=family.normalization,
+        activation_func=family.activation,
+        gated_linear_unit=family.gated_mlp,
+        add_bias_linear=family.bias,
         tensor_model_parallel_size=parallel.tensor,
         # Pipeline stages are assembled and scheduled by DeepSpeed, not megatron-core.
         pipeline_model_parallel_size=1,
@@ -103,7 +104,7 @@ def attention_spec(model: ModelConfig) -> ModuleSpec:
 
 def layer_spec(model: ModelConfig) -> ModuleSpec:
     """megatron-core's local GPT layer with our attention submodule swapped in."""
-    base = get_gpt_layer_local_spec(normalization="LayerNorm" if model.family == "gpt2" else "RMSNorm")
+    base = get_gpt_layer_local_spec(normalization=family_of(model).normalization)
     submodules = dataclasses.replace(base.submodules, self_attention=attention_spec(model))
     return dataclasses.replace(base, submodules=submodules)
 
@@ -118,30 +119,3 @@ class HostRotaryEmbedding(RotaryEmbedding):
         assert not self.rotary_interleaved
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-
-
-def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool = True,
-                    post_process: bool = True, params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """A megatron-core GPTModel for the current parallel state (initialize_model_parallel first).
-
-    The torch RNG is seeded from the config so that every rank and every TP size draws the same
-    master weights.
-    """
-    torch.manual_seed(model.seed)
-    gpt2 = model.family == "gpt2"
-    gpt = GPTModel(
-        config=transformer_config(model, parallel, params_dtype),
-        transformer_layer_spec=layer_spec(model),
-        vocab_size=padded_vocab_size(model),
-        max_sequence_length=model.seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=gpt2,
-        position_embedding_type="learned_absolute" if gpt2 else "rope",
-        rotary_base=model.rotary_base,
-    )
-    if not gpt2:
-        gpt.rotary_pos_emb = HostRotaryEmbedding(
-            kv_channels=model.head_dim, rotary_percent=1.0, rotary_base=model.rotary_base,
-            use_cpu_initialization=True)
-    return gpt

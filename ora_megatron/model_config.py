@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml, apply_overrides
+from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml
 
 AttentionType = Literal[
     "vanilla",
@@ -34,7 +34,7 @@ class AttentionConfig:
     train_k: bool = False
     """ora / frozen_*: train K from its random init instead of freezing it (ablation A2)."""
     init_std: float = 0.02
-    """frozen_gaussian: std of N(0, std²); frozen_uniform: bound of U(-std, std); synthesizers, gaussian fixed R: init std."""
+    """frozen_gaussian: std of N(0, std²); frozen_uniform: bound of U(-std, std); synthesizers, gaussian R: std."""
     synthesizer_trainable: bool = True
     """synthesizer_random: R trainable (true) or fixed at its random init (false)."""
     synthesizer_rank: int = 64
@@ -62,7 +62,7 @@ class AttentionConfig:
 @dataclass
 class ModelConfig:
     family: Literal["gpt2", "llama"] = "gpt2"
-    """gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings (research plan); llama: RoPE, RMSNorm, SwiGLU, no biases, untied output."""
+    """gpt2: learned positions, LayerNorm, GELU, biases, tied head (research plan); llama: RoPE, RMSNorm, SwiGLU."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -142,7 +142,7 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel size (megatron-core layers; splits heads and the MLP)."""
     pipeline: int = 1
-    """Pipeline-parallel size (DeepSpeed PipelineModule; splits layers); data parallel is world size / (tensor · pipeline)."""
+    """Pipeline-parallel size (DeepSpeed PipelineModule splits the layers); data parallel: the rest."""
 
     def validate(self, key: str) -> None:
         check(self.tensor >= 1, f"{key}.tensor", "must be >= 1")

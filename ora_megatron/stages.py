@@ -1,10 +1,15 @@
-"""The GPT model as an ordered list of stages built from megatron-core parts.
+"""The GPT model as an ordered list of named stages built from megatron-core parts.
 
-embedding → TransformerLayer × L → final norm → output head. The list is assembled either as a
-plain module (`StagedGPT`, pipeline size 1, any ZeRO stage) or by the trainer as a DeepSpeed
-PipelineModule (pipeline size > 1). Each stage seeds the torch RNG from (seed, stage name) before
-drawing its weights, so every assembly and every pipeline split holds the same model; the
-master-weight-then-slice init of megatron's CPU path makes it the same for every TP size too.
+embedding → layer1 … layerL (TransformerLayers) → final_norm → output. This is the one model
+definition: it is assembled either as a plain module (`StagedGPT`, pipeline size 1, any ZeRO
+stage) or by the trainer as a DeepSpeed PipelineModule (pipeline size > 1). Both expose the same
+parameter names, `{stage name}.{parameter}` (e.g. `layer3.layer.mlp.linear_fc1.weight`), which
+checkpoints consolidate to and export maps from. A stage tied to an earlier one (the gpt2 output
+head reusing the embedding) owns no names of its own.
+
+Each stage seeds the torch RNG from (seed, stage name) before drawing its weights, so every
+assembly and every pipeline split holds the same model; the master-weight-then-slice init of
+megatron's CPU path makes it the same for every TP size too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.spec_utils import build_module
 
 from ora_megatron.builder import HostRotaryEmbedding, layer_spec, padded_vocab_size, transformer_config
+from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 
 
@@ -38,7 +44,7 @@ class EmbeddingStage(torch.nn.Module):
         self.embedding = LanguageModelEmbedding(
             config=transformer_config(model, parallel), vocab_size=padded_vocab_size(model),
             max_sequence_length=model.seq_length,
-            position_embedding_type="learned_absolute" if model.family == "gpt2" else "rope")
+            position_embedding_type=family_of(model).position_embedding)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
@@ -59,7 +65,7 @@ class DecoderLayerStage(torch.nn.Module):
         # Global layer number: frozen Q/K are drawn for it, whichever pipeline stage holds it.
         self.layer = build_module(layer_spec(model), config=config, layer_number=layer_number)
         self.rotary = None
-        if model.family == "llama":
+        if family_of(model).position_embedding == "rope":
             self.rotary = HostRotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
                                               rotary_base=model.rotary_base, use_cpu_initialization=True)
 
@@ -81,7 +87,7 @@ class FinalNormStage(torch.nn.Module):
 
 
 class OutputStage(torch.nn.Module):
-    """Untied output projection (llama family): hidden [s, b, h] → vocab-parallel logits [b, s, V/tp]."""
+    """Untied output projection: hidden [s, b, h] → vocab-parallel logits [b, s, V/tp]."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig):
         super().__init__()
@@ -96,7 +102,7 @@ class OutputStage(torch.nn.Module):
 
 
 def tied_logits(embedding: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:
-    """Output head that reuses the input embedding (gpt2 family): logits [b, s, V/tp]."""
+    """Output head that reuses the input embedding (tied families): logits [b, s, V/tp]."""
     hidden = copy_to_tensor_model_parallel_region(hidden)  # identity forward, TP all-reduce backward
     out = torch.matmul(hidden, embedding.word_embeddings.weight.t())
     return out.transpose(0, 1).contiguous()
@@ -115,39 +121,48 @@ class StageSpec:
 
 def stage_specs(model: ModelConfig, parallel: ParallelConfig) -> list[StageSpec]:
     common = {"model": model, "parallel": parallel}
-    specs = [StageSpec("embedding", EmbeddingStage, common, tied_key="embedding" if model.family == "gpt2" else None)]
+    tied = family_of(model).tied_output
+    specs = [StageSpec("embedding", EmbeddingStage, common, tied_key="embedding" if tied else None)]
     specs += [StageSpec(f"layer{i}", DecoderLayerStage, {**common, "layer_number": i})
               for i in range(1, model.num_layers + 1)]
     specs.append(StageSpec("final_norm", FinalNormStage, common))
-    if model.family == "gpt2":
+    if tied:
         specs.append(StageSpec("output", EmbeddingStage, common, tied_key="embedding", forward_fn=tied_logits))
     else:
         specs.append(StageSpec("output", OutputStage, common))
     return specs
 
 
+def owner_names(specs: list[StageSpec]) -> dict[str, str]:
+    """Tied key → name of the first stage holding it (the one whose names the module carries)."""
+    owners: dict[str, str] = {}
+    for spec in specs:
+        if spec.tied_key is not None:
+            owners.setdefault(spec.tied_key, spec.name)
+    return owners
+
+
 class StagedGPT(torch.nn.Module):
-    """All stages in one module (pipeline size 1): tokens [b, s] → logits [b, s, V/tp]."""
+    """All stages in one module (pipeline size 1): tokens [b, s] → logits [b, s, V/tp].
+
+    Each stage is a submodule under its stage name, so parameter names are `{stage}.{param}`.
+    """
 
     def __init__(self, specs: list[StageSpec]):
         super().__init__()
-        self.stages = torch.nn.ModuleList()
-        self.forward_fns: list[Optional[Callable]] = []
-        tied: dict[str, torch.nn.Module] = {}
+        self.order: list[tuple[str, Optional[Callable]]] = []  # (module name, forward_fn) per stage
+        owners = owner_names(specs)
         for spec in specs:
-            if spec.tied_key is not None and spec.tied_key in tied:
-                module = tied[spec.tied_key]
-            else:
-                module = spec.cls(**spec.kwargs)
-                if spec.tied_key is not None:
-                    tied[spec.tied_key] = module
-            self.stages.append(module)
-            self.forward_fns.append(spec.forward_fn)
+            owner = owners.get(spec.tied_key, spec.name)
+            if owner == spec.name:
+                self.add_module(spec.name, spec.cls(**spec.kwargs))
+            self.order.append((owner, spec.forward_fn))
         self.activation_checkpointing = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tokens
-        for module, forward_fn in zip(self.stages, self.forward_fns):
+        for name, forward_fn in self.order:
+            module = getattr(self, name)
             if forward_fn is not None:
                 x = forward_fn(module, x)
             elif self.activation_checkpointing and isinstance(module, DecoderLayerStage):

@@ -16,12 +16,12 @@ import json
 import math
 import sys
 
-import torch
-
-from ora_megatron.builder import build_gpt_model, padded_vocab_size
+from ora_megatron.builder import padded_vocab_size
 from ora_megatron.config_io import ConfigError
+from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig, ModelSection, load_model_section
 from ora_megatron.orthogonal import hadamard_factorization
+from ora_megatron.stages import build_staged_gpt
 
 COMPONENTS = ("embeddings", "attention_qk", "attention_v", "attention_out", "attention_mixing",
               "mlp", "norms", "output_layer")
@@ -73,8 +73,7 @@ def train_flops_per_token(model: ModelConfig, vocab: int) -> float:
     width = model.num_attention_heads * model.head_dim
     kv_width = model.query_groups * model.head_dim
     att = model.attention
-    gated = model.family == "llama"
-    mlp_params = d * model.ffn_size * (3 if gated else 2)
+    mlp_params = d * model.ffn_size * family_of(model).mlp_matrices
 
     def matmul(params: int, trainable: bool = True) -> float:
         return 2 * params * (3 if trainable else 2)
@@ -107,7 +106,7 @@ def train_state_bytes(trainable: int, precision: str) -> dict:
 
 def summarize(section: ModelSection, precision: str = "bf16") -> dict:
     model = section.model
-    gpt = build_gpt_model(model, dataclasses.replace(section.parallel, tensor=1, pipeline=1))
+    gpt = build_staged_gpt(model, dataclasses.replace(section.parallel, tensor=1, pipeline=1))
     counts = parameter_counts(gpt, model)
     trainable = sum(c["trainable"] for c in counts.values())
     frozen = sum(c["frozen"] for c in counts.values())

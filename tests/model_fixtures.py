@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core.models.gpt import GPTModel
 
-from ora_megatron.model_config import AttentionConfig, ModelConfig
+from ora_megatron.builder import HostRotaryEmbedding, layer_spec, padded_vocab_size, transformer_config
+from ora_megatron.families import family_of
+from ora_megatron.model_config import AttentionConfig, ModelConfig, ParallelConfig
+from ora_megatron.stages import StagedGPT, build_staged_gpt
 
 VARIANTS = {
     "vanilla": AttentionConfig(type="vanilla"),
@@ -47,5 +51,19 @@ def tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 100, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def position_ids() -> torch.Tensor:
-    return torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+def build(variant: str, family: str = "gpt2", tensor: int = 1, **changes) -> StagedGPT:
+    """The model as training assembles it (stage list, one module)."""
+    return build_staged_gpt(dataclasses.replace(tiny_model(variant, family), **changes), ParallelConfig(tensor=tensor))
+
+
+def megatron_gpt_model(model: ModelConfig) -> GPTModel:
+    """megatron-core's own GPTModel for `model` (TP=1): the reference the stage list is checked against."""
+    family = family_of(model)
+    gpt = GPTModel(config=transformer_config(model, ParallelConfig()), transformer_layer_spec=layer_spec(model),
+                   vocab_size=padded_vocab_size(model), max_sequence_length=model.seq_length,
+                   share_embeddings_and_output_weights=family.tied_output,
+                   position_embedding_type=family.position_embedding, rotary_base=model.rotary_base)
+    if family.position_embedding == "rope":
+        gpt.rotary_pos_emb = HostRotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
+                                                 rotary_base=model.rotary_base, use_cpu_initialization=True)
+    return gpt

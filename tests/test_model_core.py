@@ -6,11 +6,10 @@ import dataclasses
 
 import pytest
 import torch
+from model_fixtures import SEQ, VARIANTS, all_cases, build, megatron_gpt_model, tiny_model, tokens
 from torch.utils.flop_counter import FlopCounterMode
 
-from model_fixtures import SEQ, VARIANTS, all_cases, position_ids, tiny_model, tokens
 from ora_megatron.attention import RandomQKVLinear
-from ora_megatron.builder import build_gpt_model
 from ora_megatron.model_config import ParallelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 
@@ -20,10 +19,6 @@ def one_process_group():
     init_distributed(1, 1, backend="gloo")
     yield
     destroy_distributed()
-
-
-def build(variant: str, family: str = "gpt2", **changes):
-    return build_gpt_model(dataclasses.replace(tiny_model(variant, family), **changes), ParallelConfig())
 
 
 def qkv_linears(model) -> list[RandomQKVLinear]:
@@ -41,7 +36,7 @@ def test_frozen_qk_unchanged_by_optimizer_and_hold_no_grad():
     v_before = qkv_linears(model)[0].v_weight.clone()
     for step in range(3):
         opt.zero_grad()
-        model(tokens(step), position_ids(), attention_mask=None).float().pow(2).mean().backward()
+        model(tokens(step)).float().pow(2).mean().backward()
         opt.step()
     for m, (q, k) in zip(qkv_linears(model), before):
         assert torch.equal(m.q_weight, q) and torch.equal(m.k_weight, k)
@@ -53,7 +48,7 @@ def test_frozen_qk_unchanged_by_optimizer_and_hold_no_grad():
 def test_qk_path_carries_input_gradient(method):
     """dL/dx through an ORA attention layer differs from the one with Q/K detached."""
     model = build("ora_qr", attention=dataclasses.replace(VARIANTS["ora_qr"], orthogonal_method=method))
-    attention = model.decoder.layers[0].self_attention
+    attention = model.layer1.layer.self_attention
     x = torch.randn(SEQ, 2, 64, generator=torch.Generator().manual_seed(3))
 
     def input_grad():
@@ -77,7 +72,7 @@ def test_qk_path_carries_input_gradient(method):
 def _backward_flops(model) -> tuple[int, int]:
     counter = FlopCounterMode(display=False)
     with counter:
-        loss = model(tokens(), position_ids(), attention_mask=None).float().pow(2).mean()
+        loss = model(tokens()).float().pow(2).mean()
     forward = counter.get_total_flops()
     with counter:
         loss.backward()
@@ -105,8 +100,8 @@ def test_causal(case):
     changed = base.clone()
     changed[:, t + 1:] = (changed[:, t + 1:] + 17) % 100
     with torch.no_grad():
-        out_base = model(base, position_ids(), attention_mask=None)
-        out_changed = model(changed, position_ids(), attention_mask=None)
+        out_base = model(base)
+        out_changed = model(changed)
     assert torch.equal(out_base[:, : t + 1], out_changed[:, : t + 1])
     assert not torch.allclose(out_base[:, t + 1:], out_changed[:, t + 1:])
 
@@ -141,12 +136,12 @@ def test_ablation_a2_trainability_flags():
 @pytest.mark.parametrize("case", [("gpt2", "ora_qr"), ("gpt2", "synthesizer_factorized"), ("llama", "ora_hadamard")],
                          ids=lambda c: f"{c[0]}-{c[1]}")
 def test_stage_list_holds_the_same_parameters_as_gpt_model(case):
-    """Training assembles the stage list; the summary reads megatron's GPTModel: same parameters."""
+    """The stage list holds exactly the parameters of megatron-core's own GPTModel."""
     from ora_megatron.stages import build_staged_gpt
 
     family, variant = case
     model_cfg = tiny_model(variant, family)
-    gpt = build_gpt_model(model_cfg, ParallelConfig())
+    gpt = megatron_gpt_model(model_cfg)
     staged = build_staged_gpt(model_cfg, ParallelConfig())
 
     def shapes(module):

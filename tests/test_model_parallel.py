@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-
-from model_fixtures import all_cases, position_ids, tiny_model, tokens
 from distributed import run_on_ranks
-from ora_megatron.builder import build_gpt_model
-from ora_megatron.model_config import ParallelConfig
+from megatron.core import parallel_state
+from model_fixtures import all_cases, build, tokens
+
+pytestmark = pytest.mark.distributed
 
 
 def _gather(shard: torch.Tensor, dim: int) -> torch.Tensor:
@@ -25,8 +24,8 @@ def forward_backward_all_variants(rank: int, tensor: int) -> dict:
     """Logits and the word-embedding gradient (which sees the whole backward pass) per variant."""
     results = {}
     for family, variant in all_cases():
-        model = build_gpt_model(tiny_model(variant, family), ParallelConfig(tensor=tensor))
-        logits = model(tokens(), position_ids(), attention_mask=None)  # [b, s, V/tp]
+        model = build(variant, family, tensor=tensor)
+        logits = model(tokens())  # [b, s, V/tp]
         # The loss is a fixed random projection of the full logits; each rank backpropagates its
         # vocab slice, and megatron's TP backward all-reduces the hidden-state gradient.
         vocab_shard = logits.size(-1)

@@ -1,0 +1,9 @@
+"""GPT-2 style: learned absolute positions, LayerNorm, GELU MLP, biases, tied embeddings
+(the research plan's model)."""
+
+import torch.nn.functional as F
+
+from ora_megatron.families.family import Family
+
+FAMILY = Family(name="gpt2", normalization="LayerNorm", activation=F.gelu, gated_mlp=False, bias=True,
+                position_embedding="learned_absolute", tied_output=True)
