@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo
+.PHONY: install test test-fast lint demo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# The in-process subset (no worker processes, nothing slow): a developer's quick loop.
+test-fast: install
+	$(PY) -m pytest -q -m "not distributed and not slow"
 
 # Embedded default: this Python's stdlib as a SlimPajama-format corpus (no download) → sentencepiece
 # → megatron-core shards → 2-process tiny ORA pretraining. Rerunning resumes every stage.

@@ -1,18 +1,17 @@
-"""DeepSpeed checkpoints with an atomic `latest` pointer, per-rank RNG state and frozen-Q/K checks.
+"""Checkpoints: when to save (one rule), how to save atomically, how to resume.
 
-A save writes `checkpoints/step<N>/` through DeepSpeed (save_latest=False), then every rank's
-RNG state, then — after a barrier, so every rank's files are on disk — rank 0 replaces the
-`latest` file atomically and prunes old tags. An interrupted save therefore leaves `latest`
-pointing at the previous complete checkpoint, and a partial directory is never loaded.
+A save writes the tag's directory through DeepSpeed (save_latest=False), then every rank's RNG
+state and train_state.json, then — after a barrier, so every rank's files are on disk — rank 0
+moves the run dir's `latest` pointer atomically and prunes old tags. An interrupted save
+therefore leaves `latest` at the previous complete checkpoint, and a partial one is never loaded.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import math
 import random
 import shutil
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -21,72 +20,88 @@ import torch.distributed as dist
 from deepspeed.runtime.zero import GatheredParameters
 
 from ora_megatron.attention import RandomQKVLinear
-
-LATEST = "latest"
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
+from pretrain.config import CheckpointConfig
+from pretrain.run_dir import RunDir, checkpoint_tag
 
 
-def rng_state() -> dict:
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer that a resumed run needs; saved as train_state.json."""
+
+    step: int = 0  # optimizer steps attempted (applied + skipped)
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    tokens_seen: int = 0
+    best_valid_loss: float = math.inf
+    evals_without_improvement: int = 0
+    freeze_stage: int = -1  # -1: the attention config's own trainability
+    scheduler: dict = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Saves at every `save_interval` steps and once more at a final step (end of training,
+    early stop, preemption, too many skipped steps) — never twice for the same step."""
+
+    def __init__(self, run_dir: RunDir, cfg: CheckpointConfig):
+        self.run_dir, self.cfg = run_dir, cfg
+        self.last_saved_step: Optional[int] = None
+
+    def save_if_due(self, eng, state: TrainState, *, final: bool) -> None:
+        due = final or state.step % self.cfg.save_interval == 0
+        if due and state.step != self.last_saved_step:
+            self.save(eng, state)
+
+    def save(self, eng, state: TrainState) -> str:
+        """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state."""
+        state.scheduler = eng.scheduler.state_dict()
+        tag = checkpoint_tag(state.step)
+        eng.engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False)
+        rank = dist.get_rank()
+        torch.save(_rng_state(), self.run_dir.rng_state_file(tag, rank))
+        if rank == 0:
+            self.run_dir.write_train_state(tag, asdict(state))
+        dist.barrier()
+        if rank == 0:
+            self.run_dir.set_latest_checkpoint(tag)
+            tags = self.run_dir.checkpoint_tags()
+            for old in tags[: tags.index(tag) + 1][: -self.cfg.keep_last]:
+                shutil.rmtree(self.run_dir.checkpoint(old), ignore_errors=True)
+        dist.barrier()
+        self.last_saved_step = state.step
+        return tag
+
+    def latest(self) -> Optional[str]:
+        return self.run_dir.latest_checkpoint()
+
+    def read_state(self, tag: str) -> TrainState:
+        return TrainState(**self.run_dir.read_train_state(tag))
+
+    def load(self, eng, tag: str, state: TrainState) -> None:
+        """Model and optimizer (ZeRO partitions included) through DeepSpeed, this rank's RNG, the
+        LR schedule from `state` (the tag's train state), then frozen Q/K regenerated and checked."""
+        path, _ = eng.engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag, load_optimizer_states=True,
+                                             load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"checkpoint {self.run_dir.checkpoint(tag)} could not be loaded")
+        _set_rng_state(torch.load(self.run_dir.rng_state_file(tag, dist.get_rank()), weights_only=False))
+        eng.scheduler.load_state_dict(state.scheduler)
+        restore_frozen_qk(eng.module)
+        self.last_saved_step = state.step
+
+
+def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def latest_tag(ckpt_dir: Path) -> Optional[str]:
-    pointer = ckpt_dir / LATEST
-    return pointer.read_text().strip() if pointer.exists() else None
-
-
-def save(engine, ckpt_dir: Path, step: int, train_state: dict, keep_last: int) -> str:
-    """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state."""
-    tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    rank = dist.get_rank()
-    torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{rank}.pt")
-    if rank == 0:
-        _write_atomic(ckpt_dir / tag / "train_state.json", json.dumps(train_state, indent=2))
-    dist.barrier()
-    if rank == 0:
-        _write_atomic(ckpt_dir / LATEST, tag)
-        tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
-        for old in tags[: tags.index(tag) + 1][:-keep_last]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    dist.barrier()
-    return tag
-
-
-def read_train_state(ckpt_dir: Path, tag: str) -> dict:
-    return json.loads((ckpt_dir / tag / "train_state.json").read_text())
-
-
-def load(engine, ckpt_dir: Path, tag: str) -> None:
-    """Model and optimizer (ZeRO partitions included) through DeepSpeed, then this rank's RNG."""
-    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
-    if path is None:
-        raise RuntimeError(f"checkpoint {ckpt_dir / tag} could not be loaded")
-    set_rng_state(torch.load(ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
 
 
 def restore_frozen_qk(module: torch.nn.Module) -> int:

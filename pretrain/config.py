@@ -238,7 +238,8 @@ class RunConfig:
                   "freeze schedules are supported with fp32/bf16 only")
             # The hand-over rebuilds the engine on the same module; ZeRO-3 has partitioned it.
             check(self.deepspeed.zero_stage <= 2, "train.freeze_schedule",
-                  f"freeze schedules are supported with ZeRO-0/1/2, got deepspeed.zero_stage={self.deepspeed.zero_stage}")
+                  "freeze schedules are supported with ZeRO-0/1/2, "
+                  f"got deepspeed.zero_stage={self.deepspeed.zero_stage}")
             check(self.model.attention.custom_qkv, "train.freeze_schedule",
                   f"needs random Q/K to freeze (attention type ora/frozen_*), got '{self.model.attention.type}'")
             for i, stage in enumerate(self.train.freeze_stages):

@@ -139,3 +139,21 @@ def collate(dataset, indices) -> dict[str, torch.Tensor]:
     samples = [dataset[i % len(dataset)] for i in indices]
     keys = ("tokens", "labels", "loss_mask")
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+
+
+class StepBatches:
+    """The micro-batches of a step, for any split: as tensors, or as DeepSpeed's pipeline engine
+    takes them (an iterator of (inputs, (labels, loss_mask)))."""
+
+    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder):
+        self.datasets, self.order = datasets, order
+
+    def has(self, split: str) -> bool:
+        return self.datasets.get(split) is not None
+
+    def micro_batch(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
+        return collate(self.datasets[split], self.order.indices(step, micro))
+
+    def pipeline_iter(self, split: str, step: int):
+        batches = [self.micro_batch(split, step, m) for m in range(self.order.grad_accum)]
+        return iter([(b["tokens"], (b["labels"], b["loss_mask"])) for b in batches])

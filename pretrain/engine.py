@@ -1,9 +1,14 @@
-"""DeepSpeed engine for a run: model assembly, optimizer groups, DeepSpeed JSON, LR schedule."""
+"""DeepSpeed engine for a run: model assembly, optimizer groups, DeepSpeed JSON, LR schedule.
+
+The model is the stage list of ora_megatron.stages, assembled as a plain module (pipeline size 1)
+or as `PipelinedGPT` (pipeline size > 1); both name parameters `{stage name}.{parameter}`.
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Iterator
 
 import deepspeed
 import torch
@@ -13,7 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
-from ora_megatron.stages import DecoderLayerStage, StagedGPT, stage_specs
+from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import DS_CONFIG_DIR, RunConfig
 
 
@@ -42,6 +47,17 @@ def lm_loss(logits: torch.Tensor, labels_and_mask) -> torch.Tensor:
     losses = vocab_parallel_cross_entropy(logits.float(), labels)
     mask = loss_mask.float()
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def batch_loss(engine, batch: dict) -> torch.Tensor:
+    """Loss of one micro-batch through a plain (not pipelined) engine."""
+    return lm_loss(engine(batch["tokens"]), (batch["labels"], batch["loss_mask"]))
+
+
+def data_parallel_mean(value: torch.Tensor) -> float:
+    """Mean of a per-rank scalar over the data-parallel group (every rank gets it)."""
+    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return value.item() / parallel_state.get_data_parallel_world_size()
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -105,19 +121,46 @@ def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
     return merged
 
 
-def _pipeline_module(cfg: RunConfig) -> PipelineModule:
-    layers = []
-    for spec in stage_specs(cfg.model, cfg.parallel):
-        if spec.tied_key is not None:
-            layers.append(TiedLayerSpec(spec.tied_key, spec.cls, forward_fn=spec.forward_fn,
-                                        tied_weight_attr=["word_embeddings.weight"], **spec.kwargs))
-        else:
-            layers.append(LayerSpec(spec.cls, **spec.kwargs))
+class PipelinedGPT(PipelineModule):
+    """DeepSpeed's PipelineModule over the stage list.
+
+    DeepSpeed names a stage's parameters by its index in the list (`3.layer.…`) and tied modules
+    by key (`tied_modules.embedding.…`), and saves each stage as `layer_{index:02d}-…` files;
+    `stage_name` maps both back to the stage names the plain module uses.
+    """
+
+    def __init__(self, specs: list[StageSpec], **kwargs):
+        layers = []
+        for spec in specs:
+            if spec.tied_key is not None:
+                layers.append(TiedLayerSpec(spec.tied_key, spec.cls, forward_fn=spec.forward_fn,
+                                            tied_weight_attr=["word_embeddings.weight"], **spec.kwargs))
+            else:
+                layers.append(LayerSpec(spec.cls, **spec.kwargs))
+        super().__init__(layers=layers, **kwargs)
+        self.stage_names = [spec.name for spec in specs]
+        self.tied_owners = owner_names(specs)
+
+    def stage_name(self, name: str) -> str:
+        """DeepSpeed's parameter name → `{stage name}.{parameter}`."""
+        head, _, rest = name.partition(".")
+        if head == "tied_modules":
+            key, _, rest = rest.partition(".")
+            return f"{self.tied_owners[key]}.{rest}"
+        return f"{self.stage_names[int(head)]}.{rest}"
+
+    def is_tied_replica(self, name: str) -> bool:
+        """A tied module's copy on a later stage (the first stage holding it owns the weights)."""
+        return name.startswith("tied_modules.") and self.stage_id != 0
+
+
+def _pipeline_module(cfg: RunConfig) -> PipelinedGPT:
     world = torch.distributed.get_world_size()
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
-    return PipelineModule(
-        layers=layers, topology=topology, loss_fn=lm_loss, partition_method="type:DecoderLayerStage",
+    return PipelinedGPT(
+        stage_specs(cfg.model, cfg.parallel), topology=topology, loss_fn=lm_loss,
+        partition_method="type:DecoderLayerStage",
         activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,
         checkpointable_layers=[DecoderLayerStage.__name__])
 
@@ -131,6 +174,11 @@ class Engine:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their stage names, in either assembly."""
+        for name, param in self.module.named_parameters():
+            yield (self.module.stage_name(name) if self.pipelined else name), param
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
@@ -153,19 +201,6 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, grad_accum),
         mpu=None if pipelined else MegatronMPU())
     return Engine(engine=engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined)
-
-
-def link_optimizer_fragments(engine) -> None:
-    """Point every parameter's ZeRO-1/2 (and bf16-optimizer) fragment at its optimizer state.
-
-    DeepSpeed links fragments once, right after stepping the *first* parameter group, so the
-    fragments of later groups stay empty and deepspeed.utils.safe_*_optimizer_state fails for
-    them. Linking again after a step (every group then has state) repairs it.
-    """
-    optimizer = engine.optimizer
-    if hasattr(optimizer, "_hp_optimizer_states_linked"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def lr_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:

@@ -18,10 +18,10 @@ from deepspeed.utils import (
 )
 
 from ora_megatron.attention import RandomQKVLinear
+from pretrain.accounting import MOMENTS
 from pretrain.config import RunConfig
-from pretrain.engine import build_engine, link_optimizer_fragments
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from pretrain.ds_internals import base_optimizer, link_optimizer_fragments
+from pretrain.engine import build_engine
 
 
 def freeze_stage_index(cfg: RunConfig, step: int) -> int:
@@ -63,14 +63,10 @@ def _trainability_changes(module: torch.nn.Module, wanted: dict) -> list[tuple[t
     return changes
 
 
-def _base_optimizer(engine):
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
-
-
 def _capture(engine) -> tuple[dict, dict]:
     """Per trainable parameter: fp32 master and Adam moments; per group name: Adam step."""
     per_param = {}
-    base = _base_optimizer(engine)
+    base = base_optimizer(engine)
     if not base.state:  # before the first step (on every rank alike): nothing to carry
         return {}, {}
     link_optimizer_fragments(engine)
@@ -93,7 +89,7 @@ def _capture(engine) -> tuple[dict, dict]:
 
 
 def _restore(engine, per_param: dict, steps: dict) -> None:
-    base = _base_optimizer(engine)
+    base = base_optimizer(engine)
     sharded = base is not engine.optimizer
     for group in base.param_groups:
         if group["name"] not in steps:
@@ -102,7 +98,7 @@ def _restore(engine, per_param: dict, steps: dict) -> None:
             base.state[flat] = {"step": steps[group["name"]].clone(),
                                 "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     if sharded:
-        engine.optimizer._lazy_init_hp_params_optimizer_state()  # link fragments to that state
+        link_optimizer_fragments(engine)  # to the state just created
     for param in engine.module.parameters():
         carried = per_param.get(id(param))
         if carried is None or not param.requires_grad:

@@ -1,80 +1,85 @@
-"""What a run leaves behind on rank 0: metrics.jsonl, TensorBoard events, wandb, live progress."""
+"""What a run reports as it goes: typed records in metrics.jsonl, TensorBoard, wandb, a progress bar.
+
+The logger decides when a training step is logged and builds each record itself (throughput,
+peak memory, MFU). Every rank holds one; only rank 0 writes anything.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import resource
 import sys
-from pathlib import Path
+from dataclasses import asdict
 from typing import Optional
 
-import torch
+import torch.distributed as dist
 
-# Dense bf16 peak per device (TFLOP/s), for MFU; matched against torch.cuda.get_device_name().
-PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
-
-
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def device_peak_tflops() -> Optional[float]:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+from pretrain.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
+from pretrain.config import RunConfig
+from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord
 
 
 class MetricsLogger:
-    """One JSON object per log call in metrics.jsonl (appended, so a resumed run continues it),
-    mirrored to TensorBoard and wandb. Only rank 0 constructs one."""
-
-    def __init__(self, run_dir: Path, cfg_dict: dict, *, tensorboard: bool, wandb_mode: str,
-                 wandb_project: str, total_steps: int, start_step: int, progress: bool):
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        self.tb = None
-        if tensorboard:
+    def __init__(self, run_dir: RunDir, cfg: RunConfig, cfg_dict: dict, start_step: int):
+        self.log_interval = cfg.train.log_interval
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops_per_token = flops_per_token(cfg.model)
+        self.peak_tflops = device_peak_tflops()
+        self.world_size = dist.get_world_size()
+        self.writing = dist.get_rank() == 0
+        self.file = self.tb = self.wandb = self.bar = None
+        if not self.writing:
+            return
+        self.file = run_dir.open_metrics()
+        log = cfg.logging
+        if log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.wandb = None
-        if wandb_mode != "disabled":
+            self.tb = SummaryWriter(log_dir=str(run_dir.tensorboard))
+        if log.wandb_mode != "disabled":
             import wandb
 
-            self.wandb = wandb.init(project=wandb_project, mode=wandb_mode, dir=str(run_dir),
-                                    config=cfg_dict, resume="allow", id=run_dir.name)
-        self.bar = None
-        if progress:
+            self.wandb = wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=str(run_dir.path),
+                                    config=cfg_dict, resume="allow", id=run_dir.path.name)
+        if log.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr,
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", file=sys.stderr,
                             dynamic_ncols=True)
 
-    def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        step, split = record["step"], record["split"]
-        scalars = {k: v for k, v in record.items()
-                   if isinstance(v, (int, float)) and k not in ("step",) and math.isfinite(v)}
-        if self.tb is not None:
-            for key, value in scalars.items():
-                self.tb.add_scalar(f"{split}/{key}", value, step)
-        if self.wandb is not None:
-            self.wandb.log({f"{split}/{k}": v for k, v in scalars.items()}, step=step)
-
-    def progress(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+    def train_step(self, step: int, loss: float, step_time_s: float, *, skipped: bool, skipped_steps: int,
+                   lr: float, grad_norm: Optional[float], trainable_params: int) -> None:
+        """Logged every log_interval steps, and on every skipped step."""
+        if not self.writing or not (step % self.log_interval == 0 or skipped):
+            return
+        tokens_per_s = self.tokens_per_step / step_time_s
+        record = TrainRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
+                             step_time_s=step_time_s, skipped_steps=skipped_steps,
+                             trainable_params=trainable_params, peak_mem_bytes=peak_memory_bytes())
+        if self.peak_tflops is not None:
+            record.tflops_per_device = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+            record.mfu = record.tflops_per_device / self.peak_tflops
+        self._write(record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
 
-    def close(self) -> None:
-        self.file.close()
+    def evaluation(self, step: int, split: str, loss: float) -> None:
+        if self.writing:
+            self._write(EvalRecord(step=step, split=split, loss=loss, ppl=math.exp(min(loss, 50.0))))
+
+    def _write(self, record: Record) -> None:
+        self.file.append(record)
+        scalars = {k: v for k, v in asdict(record).items()
+                   if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self.tb is not None:
-            self.tb.close()
+            for key, value in scalars.items():
+                self.tb.add_scalar(f"{record.split}/{key}", value, record.step)
+        if self.wandb is not None:
+            self.wandb.log({f"{record.split}/{k}": v for k, v in scalars.items()}, step=record.step)
+
+    def close(self) -> None:
+        for sink in (self.file, self.tb, self.bar):
+            if sink is not None:
+                sink.close()
         if self.wandb is not None:
             self.wandb.finish()
-        if self.bar is not None:
-            self.bar.close()

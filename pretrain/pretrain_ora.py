@@ -25,6 +25,7 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
+from pretrain.run_dir import RunDir
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3
@@ -68,14 +69,17 @@ def _launch_local(args, world_size: int, run_dir: Path) -> int:
     return 0
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
 def versions() -> dict:
     import deepspeed
     import torch
     from megatron.core import package_info
 
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+        rev, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
     except OSError:
         rev, dirty = "", False
     return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
@@ -83,57 +87,36 @@ def versions() -> dict:
             "cuda": torch.version.cuda, "hostname": platform.node()}
 
 
-def write_run_files(run_dir: Path, cfg: RunConfig, ds_config: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    (run_dir / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
-
-
-def worker(cfg: RunConfig, run_dir: Path, grad_accum: int) -> int:
+def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     import torch.distributed as dist
 
     from ora_megatron.parallel import destroy_distributed, init_distributed
     from pretrain.engine import deepspeed_config
-    from pretrain.metrics import MetricsLogger
-    from pretrain.trainer import Trainer, TrainingStopped, write_json
+    from pretrain.trainer import Trainer, TrainingStopped
 
     # DeepSpeed runs the pipeline; megatron-core only needs its tensor-parallel groups.
     init_distributed(cfg.parallel.tensor, 1, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
     rank = dist.get_rank()
     if rank == 0:
-        write_run_files(run_dir, cfg, deepspeed_config(cfg, grad_accum))
+        run_dir.write_run_files(to_dict(cfg), deepspeed_config(cfg, grad_accum), versions())
     dist.barrier()
     trainer = Trainer(cfg, run_dir, grad_accum)
-    resumed = trainer.resume()
-    logger = None
-    if rank == 0:
-        logger = MetricsLogger(run_dir, to_dict(cfg), tensorboard=cfg.logging.tensorboard,
-                               wandb_mode=cfg.logging.wandb_mode, wandb_project=cfg.logging.wandb_project,
-                               total_steps=cfg.train.steps, start_step=trainer.state.step,
-                               progress=cfg.logging.progress)
-        print(f"run dir: {run_dir}{' (resumed at step %d)' % trainer.state.step if resumed else ''}",
-              file=sys.stderr)
+    if trainer.resume() and rank == 0:
+        print(f"run dir: {run_dir.path} (resumed at step {trainer.state.step})", file=sys.stderr)
+    elif rank == 0:
+        print(f"run dir: {run_dir.path}", file=sys.stderr)
     code = 0
     try:
-        result = trainer.train(logger)
+        summary = trainer.train()
+        if rank == 0:
+            run_dir.write_summary(summary)
     except TrainingStopped as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        result, code = None, EXIT_TRAINING_STOPPED
-    if result is not None:
-        allocated = [None] * dist.get_world_size()
-        dist.all_gather_object(allocated, trainer.allocated_state())
-        if rank == 0:
-            counts = dict(zip(("trainable_params", "frozen_params"), trainer.param_counts))
-            summary = {**result, "final_valid_loss": getattr(trainer, "last_valid_loss", None),
-                       "tokens_seen": trainer.state.tokens_seen, "skipped_steps": trainer.state.skipped_steps,
-                       **counts, "allocated_by_rank": allocated}
-            write_json(run_dir / "summary.json", summary)
-    if logger is not None:
-        logger.close()
-        print(f"run dir: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
-              f"checkpoints: {run_dir / 'checkpoints'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
+        code = EXIT_TRAINING_STOPPED
+    if rank == 0:
+        print(f"run dir: {run_dir.path}\nmetrics: {run_dir.metrics}\n"
+              f"checkpoints: {run_dir.checkpoints}\nsummary: {run_dir.summary}", file=sys.stderr)
     destroy_distributed()
     return code
 
@@ -161,7 +144,7 @@ def main(argv=None) -> int:
         return 0
     if not under_launcher and world_size > 1:
         return _launch_local(args, world_size, run_dir)
-    return worker(cfg, run_dir, grad_accum)
+    return worker(cfg, RunDir(run_dir), grad_accum)
 
 
 if __name__ == "__main__":

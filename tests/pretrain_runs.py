@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from pretrain.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "pretrain" / "pretrain_ora.py"
@@ -59,14 +60,13 @@ def run(config: Path, run_dir: Path, overrides=(), nproc: int = 1, check: bool =
     return out
 
 
-def records(run_dir: Path, split: str = "train") -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] == split]
+def records(run_dir: Path, split: str = "train") -> list:
+    return RunDir(run_dir).read_records(split)
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir)}
+    return {r.step: r.loss for r in records(run_dir)}
 
 
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+def summary(run_dir: Path):
+    return RunDir(run_dir).read_summary()

@@ -7,11 +7,12 @@ import torch
 from deepspeed.utils import safe_get_full_optimizer_state
 
 from ora_megatron.attention import RandomQKVLinear
-from ora_megatron.parallel import destroy_distributed, init_distributed
 from ora_megatron.model_config import AttentionConfig, ModelConfig
+from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
-from pretrain.engine import build_engine, link_optimizer_fragments, lm_loss
-from pretrain.freeze import _base_optimizer, apply_freeze_stage
+from pretrain.ds_internals import base_optimizer, link_optimizer_fragments
+from pretrain.engine import build_engine, lm_loss
+from pretrain.freeze import apply_freeze_stage
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,14 +39,14 @@ def _step(engine) -> None:
 
 
 def _moments(engine, param) -> torch.Tensor:
-    if engine.optimizer is _base_optimizer(engine):
+    if engine.optimizer is base_optimizer(engine):
         return engine.optimizer.state[param]["exp_avg"].clone()
     link_optimizer_fragments(engine)
     return safe_get_full_optimizer_state(param, "exp_avg").clone()
 
 
 def _steps_by_group(engine) -> dict:
-    base = _base_optimizer(engine)
+    base = base_optimizer(engine)
     return {g["name"]: base.state[g["params"][0]]["step"].item() for g in base.param_groups
             if "step" in base.state.get(g["params"][0], {})}
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
 from distributed import free_port
 from pretrain_runs import REPO, env, losses_by_step, run, write_config
+
+pytestmark = pytest.mark.distributed
 
 
 def test_multi_node_script_two_local_nodes_match_single_process(tmp_path):

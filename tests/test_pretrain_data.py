@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
-
 from data_fixtures import build_slimpajama
-from data_tools.manifest import blend_from_manifest
 from pretrain_runs import REPO, TINY_RUN, losses_by_step, records, run, summary, write_config
+
+from data_tools.manifest import blend_from_manifest
+
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +33,8 @@ def test_trains_from_manifest(tmp_path, shards):
                                           "train.steps=8", "model.vocab_size=400"], nproc=2)
     losses = losses_by_step(run_dir)
     assert losses[8] < losses[1]
-    assert [r["step"] for r in records(run_dir, "valid")] == [3, 6, 8]
-    assert summary(run_dir)["final_test_loss"] is not None
+    assert [r.step for r in records(run_dir, "valid")] == [3, 6, 8]
+    assert summary(run_dir).final_test_loss is not None
 
 
 def test_trains_from_explicit_blend_split_by_ratio(tmp_path, shards):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -11,8 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pretrain_runs import REPO, TINY_RUN, command, env, losses_by_step, records, run, summary, write_config
+
+from pretrain.run_dir import RunDir, checkpoint_tag
+
+pytestmark = pytest.mark.distributed
 
 # Big enough that a step takes tens of milliseconds, so a kill lands mid-run.
 SLOWER_RUN = TINY_RUN.replace("hidden_size: 64", "hidden_size: 128").replace("num_layers: 2", "num_layers: 4") \
@@ -23,7 +25,7 @@ SLOWER_RUN = TINY_RUN.replace("hidden_size: 64", "hidden_size: 128").replace("nu
 def _wait_for_step(run_dir, step: int, proc, timeout: float = 240.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in records(run_dir)):
+        if any(r.step >= step for r in records(run_dir)):
             return
         assert proc.poll() is None, "run ended before it could be interrupted"
         time.sleep(0.02)
@@ -42,18 +44,17 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     _wait_for_step(interrupted, 12, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    killed_at = max(r["step"] for r in records(interrupted))
+    killed_at = max(r.step for r in records(interrupted))
     assert killed_at < 40
     run(config, interrupted, overrides, nproc=2)  # the same command resumes from the latest checkpoint
 
     expected = losses_by_step(reference)
     resumed = records(interrupted)
-    assert max(r["step"] for r in resumed) == 40
+    assert max(r.step for r in resumed) == 40
     for r in resumed:  # every logged step, before and after the kill, bitwise equal (fp32, CPU)
-        assert r["loss"] == expected[r["step"]], f"step {r['step']}"
-    assert summary(interrupted)["final_test_loss"] == summary(reference)["final_test_loss"]
-    kept = sorted(p.name for p in (interrupted / "checkpoints").iterdir() if p.is_dir())
-    assert kept == ["step00000035", "step00000040"], "keep_last=2 prunes older checkpoints"
+        assert r.loss == expected[r.step], f"step {r.step}"
+    assert summary(interrupted).final_test_loss == summary(reference).final_test_loss
+    assert RunDir(interrupted).checkpoint_tags() == ["step00000035", "step00000040"], "keep_last=2 prunes the rest"
 
 
 def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
@@ -64,19 +65,19 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     # The state a save killed while writing step 9 leaves: a partial step 9, `latest` still at 6.
     crashed = tmp_path / "crashed"
     shutil.copytree(complete, crashed)
-    ckpt = crashed / "checkpoints"
-    model_file = ckpt / "step00000009" / "mp_rank_00_model_states.pt"
+    crashed_dir = RunDir(crashed)
+    model_file = crashed_dir.checkpoint("step00000009") / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
-    (ckpt / "step00000009" / "train_state.json").unlink()
-    (ckpt / "latest").write_text("step00000006")
-    kept = [line for line in (crashed / "metrics.jsonl").read_text().splitlines() if '"step": 7' not in line
+    crashed_dir.train_state_file("step00000009").unlink()
+    crashed_dir.set_latest_checkpoint("step00000006")
+    kept = [line for line in crashed_dir.metrics.read_text().splitlines() if '"step": 7' not in line
             and '"step": 8' not in line and '"step": 9' not in line]
-    (crashed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    crashed_dir.metrics.write_text("\n".join(kept) + "\n")
 
     out = run(config, crashed, overrides)
     assert "resumed at step 6" in out.stderr
     assert losses_by_step(crashed) == losses_by_step(complete)
-    assert (ckpt / "latest").read_text() == "step00000009"
+    assert crashed_dir.latest_checkpoint() == "step00000009"
 
 
 def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(tmp_path):
@@ -85,7 +86,7 @@ def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(tmp_path):
     config = write_config(tmp_path)
     run_dir = tmp_path / "tampered"
     run(config, run_dir, ["train.steps=3"])
-    path = run_dir / "checkpoints" / "step00000003" / "mp_rank_00_model_states.pt"
+    path = RunDir(run_dir).checkpoint("step00000003") / "mp_rank_00_model_states.pt"
     states = torch.load(path, weights_only=False)
     key = next(k for k in states["module"] if k.endswith("linear_qkv.q_weight"))
     states["module"][key] = states["module"][key] + 1e-3
@@ -104,10 +105,10 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
-    last = max(r["step"] for r in records(run_dir))
+    last = max(r.step for r in records(run_dir))
     assert last < 400
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step{last:08d}"
-    assert summary(run_dir)["preempted"] is True
+    assert RunDir(run_dir).latest_checkpoint() == checkpoint_tag(last)
+    assert summary(run_dir).preempted is True
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -134,13 +135,14 @@ def test_partial_frozen_schedule_unfreezes_at_the_right_steps(tmp_path):
     run_dir = tmp_path / "partial"
     run(config, run_dir, ["train.steps=10", "train.freeze_schedule=partial_frozen",
                           "deepspeed.zero_stage=1"], nproc=2)
-    trainable = {r["step"]: r["trainable_params"] for r in records(run_dir)}
+    trainable = {r.step: r.trainable_params for r in records(run_dir)}
     base = trainable[1]
     qk_per_layer = 2 * 64 * 64
-    assert [trainable[s] for s in range(1, 11)] == [base] * 5 + [base + qk_per_layer] * 3 + [base + 2 * qk_per_layer] * 2
+    expected = [base] * 5 + [base + qk_per_layer] * 3 + [base + 2 * qk_per_layer] * 2
+    assert [trainable[s] for s in range(1, 11)] == expected
     losses = losses_by_step(run_dir)
     assert losses[10] < losses[1]
-    assert summary(run_dir)["frozen_params"] == 0
+    assert summary(run_dir).frozen_params == 0
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
@@ -151,12 +153,12 @@ def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_
     run_dir = tmp_path / "poisoned"
     run(config, run_dir, [f"deepspeed.zero_stage={zero_stage}", "train.inject_nonfinite_loss_steps=[3,4]",
                           "checkpoint.save_interval=1", "checkpoint.keep_last=10"], nproc=2)
-    steps = {r["step"]: r for r in records(run_dir)}
-    assert steps[2]["skipped_steps"] == 0 and steps[4]["skipped_steps"] == 2 and steps[6]["skipped_steps"] == 2
-    assert summary(run_dir)["skipped_steps"] == 2
+    steps = {r.step: r for r in records(run_dir)}
+    assert steps[2].skipped_steps == 0 and steps[4].skipped_steps == 2 and steps[6].skipped_steps == 2
+    assert summary(run_dir).skipped_steps == 2
 
     def weights(step):
-        path = run_dir / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt"
+        path = RunDir(run_dir).checkpoint(checkpoint_tag(step)) / "mp_rank_00_model_states.pt"
         module = torch.load(path, weights_only=False)["module"]
         return {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}  # not megatron's _extra_state
 
@@ -173,8 +175,8 @@ def test_consecutive_nonfinite_steps_stop_with_a_checkpoint(tmp_path):
               check=False)
     assert out.returncode == 3
     assert "3 consecutive steps had non-finite" in out.stderr
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000004"
-    state = json.loads((run_dir / "checkpoints" / "step00000004" / "train_state.json").read_text())
+    assert RunDir(run_dir).latest_checkpoint() == "step00000004"
+    state = RunDir(run_dir).read_train_state("step00000004")
     assert state["skipped_steps"] == 3 and state["consecutive_skips"] == 3
 
 
@@ -217,3 +219,48 @@ def test_bf16_zero3_checkpoint_resumes_with_frozen_qk_intact(tmp_path):
     assert "resumed at step 6" in out.stderr
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, 10)) and losses[9] < losses[1]
+
+
+def _saves_when_sigterm_arrives_at(rank, config_path, run_dir, overrides, sigterm_step):
+    """Train in this process; a real SIGTERM arrives during step `sigterm_step`. Returns the tags
+    DeepSpeed was asked to save, in order, and the summary."""
+    from deepspeed import DeepSpeedEngine
+
+    from pretrain.config import load_run_config, validate_for_world
+    from pretrain.trainer import Trainer
+
+    cfg = load_run_config(config_path, overrides)
+    saved = []
+    save_checkpoint = DeepSpeedEngine.save_checkpoint
+    train_step = Trainer._train_step
+
+    def counting_save(self, save_dir, tag=None, **kwargs):
+        saved.append(tag)
+        return save_checkpoint(self, save_dir, tag=tag, **kwargs)
+
+    def step_then_sigterm(self, step):
+        loss = train_step(self, step)
+        if step + 1 == sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    DeepSpeedEngine.save_checkpoint, Trainer._train_step = counting_save, step_then_sigterm
+    trainer = Trainer(cfg, RunDir(run_dir), validate_for_world(cfg, 1))
+    return saved, trainer.train()
+
+
+@pytest.mark.parametrize("overrides, sigterm_step, expected", [
+    # the final step (5) is not a multiple of save_interval (3)
+    (["train.steps=5"], 5, ["step00000003", "step00000005"]),
+    # early stopping stops at step 4 (an eval every step; after step 1 no eval improves by 1.0)
+    (["train.steps=9", "train.eval_interval=1", "train.early_stopping={enabled: true, patience: 3, min_delta: 1.0}"],
+     4, ["step00000003", "step00000004"]),
+], ids=["final-step", "early-stop-step"])
+def test_preemption_on_a_final_step_saves_it_once(tmp_path, overrides, sigterm_step, expected):
+    from distributed import run_on_ranks
+
+    config = write_config(tmp_path)
+    ((saved, result),) = run_on_ranks(_saves_when_sigterm_arrives_at, 1, str(config), str(tmp_path / "run"),
+                                      overrides, sigterm_step)
+    assert saved == expected
+    assert result.preempted and result.steps == sigterm_step

@@ -30,6 +30,7 @@ def base_summaries():
     return summary_json(), summary_json("model.attention.type=vanilla")
 
 
+@pytest.mark.slow
 def test_base_ora_counts(base_summaries):
     ora, vanilla = base_summaries
     assert ora["frozen_params"] == BASE_FROZEN_QK == 14_155_776
@@ -42,6 +43,7 @@ def test_base_ora_counts(base_summaries):
         assert ora[key] > 0
 
 
+@pytest.mark.slow
 def test_base_flops_and_state(base_summaries):
     ora, vanilla = base_summaries
     d, layers, tokens_frozen_wgrad = 768, 12, 2 * 2 * 768 * 768

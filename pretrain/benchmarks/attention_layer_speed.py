@@ -18,12 +18,12 @@ import sys
 import time
 
 import torch
+from megatron.core.transformer.spec_utils import build_module
 from torch.utils.flop_counter import FlopCounterMode
 
 from ora_megatron.builder import layer_spec, transformer_config
 from ora_megatron.model_config import AttentionConfig, ModelConfig, ParallelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
-from megatron.core.transformer.spec_utils import build_module
 
 VARIANTS = {
     "vanilla": AttentionConfig(type="vanilla"),

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from pretrain.run_dir import RunDir
+
 REPO = Path(__file__).resolve().parents[2]
 NANOGPT_VAL_LOSS = 1.886
 
@@ -85,13 +87,12 @@ def train(out_dir: Path, attention: str, config: dict) -> dict:
     started = time.time()
     run([str(REPO / "pretrain" / "pretrain_ora.py"), "--config", str(config_path), "--run-dir", str(run_dir)])
     process_wall = time.time() - started
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["tokens_per_s"] for r in records if r["split"] == "train"][1:]  # first step warms up
-    return {"attention": attention, "final_valid_loss": summary["final_valid_loss"],
-            "median_tokens_per_s": statistics.median(speeds), "train_wall_s": summary["wall_time_s"],
-            "process_wall_s": process_wall, "trainable_params": summary["trainable_params"],
-            "frozen_params": summary["frozen_params"], "run_dir": str(run_dir)}
+    summary = RunDir(run_dir).read_summary()
+    speeds = [r.tokens_per_s for r in RunDir(run_dir).read_records("train")][1:]  # first step warms up
+    return {"attention": attention, "final_valid_loss": summary.final_valid_loss,
+            "median_tokens_per_s": statistics.median(speeds), "train_wall_s": summary.wall_time_s,
+            "process_wall_s": process_wall, "trainable_params": summary.trainable_params,
+            "frozen_params": summary.frozen_params, "run_dir": str(run_dir)}
 
 
 def main(argv=None) -> int:
@@ -103,12 +104,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out_dir = args.out_dir.resolve()
     train_shards, valid_shards, tokenizer, vocab = prepare_data(args.input.resolve(), out_dir / "data")
-    results = [train(out_dir, attention, run_config(attention, args.steps, vocab, train_shards, valid_shards, tokenizer))
+    results = [train(out_dir, attention,
+                     run_config(attention, args.steps, vocab, train_shards, valid_shards, tokenizer))
                for attention in args.attention]
     report = {"recipe": "nanoGPT shakespeare_char CPU", "steps": args.steps, "vocab": vocab,
               "nanogpt_val_loss": NANOGPT_VAL_LOSS, "results": results}
     (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'attention':<10}{'val loss':>10}{'tokens/s':>12}{'train s':>10}{'process s':>11}{'trainable':>12}{'frozen':>10}")
+    print(f"{'attention':<10}{'val loss':>10}{'tokens/s':>12}{'train s':>10}{'process s':>11}"
+          f"{'trainable':>12}{'frozen':>10}")
     for r in results:
         print(f"{r['attention']:<10}{r['final_valid_loss']:>10.4f}{r['median_tokens_per_s']:>12,.0f}"
               f"{r['train_wall_s']:>10.1f}{r['process_wall_s']:>11.1f}{r['trainable_params']:>12,}{r['frozen_params']:>10,}")

@@ -1,0 +1,61 @@
+"""Validation and test loss on a fixed set of batches, and early stopping on the validation loss."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pretrain.checkpoint import TrainState
+from pretrain.config import RunConfig
+from pretrain.data import StepBatches
+from pretrain.engine import batch_loss, data_parallel_mean
+from pretrain.metrics import MetricsLogger
+
+
+class Evaluator:
+    """Validates every eval_interval steps and at the last step; says when early stopping stops."""
+
+    def __init__(self, cfg: RunConfig, batches: StepBatches, logger: MetricsLogger):
+        self.cfg, self.batches, self.logger = cfg, batches, logger
+        self.last_valid_loss: Optional[float] = None
+
+    @torch.no_grad()
+    def loss(self, eng, split: str) -> Optional[float]:
+        """Mean loss over eval_iters global batches of `split` (None if the run has no such split)."""
+        if not self.batches.has(split):
+            return None
+        engine = eng.engine
+        engine.eval()
+        losses = []
+        for i in range(self.cfg.train.eval_iters):
+            if eng.pipelined:
+                losses.append(engine.eval_batch(data_iter=self.batches.pipeline_iter(split, i)).float())
+            else:
+                losses += [batch_loss(engine, self.batches.micro_batch(split, i, m))
+                           for m in range(self.batches.order.grad_accum)]
+        engine.train()
+        loss = torch.stack(losses).mean()
+        return loss.item() if eng.pipelined else data_parallel_mean(loss)
+
+    def after_step(self, eng, state: TrainState) -> bool:
+        """Validate if due; True when early stopping says stop (its counters live in `state`)."""
+        if state.step % self.cfg.train.eval_interval != 0 and state.step != self.cfg.train.steps:
+            return False
+        loss = self.loss(eng, "valid")
+        if loss is None:
+            return False
+        self.last_valid_loss = loss
+        self.logger.evaluation(state.step, "valid", loss)
+        early = self.cfg.train.early_stopping
+        if loss < state.best_valid_loss - early.min_delta:
+            state.best_valid_loss, state.evals_without_improvement = loss, 0
+        else:
+            state.evals_without_improvement += 1
+        return early.enabled and state.evals_without_improvement >= early.patience
+
+    def test(self, eng, step: int) -> Optional[float]:
+        loss = self.loss(eng, "test")
+        if loss is not None:
+            self.logger.evaluation(step, "test", loss)
+        return loss
