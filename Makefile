@@ -16,8 +16,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+# What CI runs (.ci/run): the linter, then every test.
+test: lint
 	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check .
 
 # The in-process subset (no worker processes, nothing slow): a developer's quick loop.
 test-fast: install

@@ -30,6 +30,16 @@ logging: {wandb_mode: disabled, progress: false, tensorboard: false}
 checkpoint: {save_interval: 3}
 """
 
+# Two-process layouts of TINY_RUN (fixtures in conftest.py train each once per session).
+LAYOUTS = {
+    "dp2-zero0": ["deepspeed.zero_stage=0"],
+    "dp2-zero1": ["deepspeed.zero_stage=1"],
+    "dp2-zero2": ["deepspeed.zero_stage=2"],
+    "dp2-zero3": ["deepspeed.zero_stage=3"],
+    "tp2-zero1": ["parallel.tensor=2", "deepspeed.zero_stage=1"],
+    "pp2-zero1": ["parallel.pipeline=2", "deepspeed.zero_stage=1"],
+}
+
 
 def write_config(directory: Path, text: str = TINY_RUN) -> Path:
     path = directory / "run.yaml"

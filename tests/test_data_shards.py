@@ -377,6 +377,7 @@ def large_corpus(tmp_path_factory):
                             documents_per_file=250, words=(100, 300), seed=1)
 
 
+@pytest.mark.slow
 def test_kill_mid_build_then_rerun_gives_the_uninterrupted_result(large_corpus, tokenizer_path,
                                                                   tmp_path):
     out_dir = tmp_path / "out"

@@ -51,6 +51,7 @@ def _steps_by_group(engine) -> dict:
             if "step" in base.state.get(g["params"][0], {})}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_unfreeze_keeps_adam_state(zero_stage):
     cfg = _config(zero_stage)

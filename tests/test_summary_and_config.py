@@ -88,6 +88,7 @@ def test_overrides_are_typed(tmp_path):
     assert section.model.attention.type == "ora" and section.model.attention.init_std == 0.01
 
 
+@pytest.mark.slow
 def test_summary_cli_reports_config_error(tmp_path):
     path = _write(tmp_path, "model: {hidden_size: 100, num_attention_heads: 3}")
     out = subprocess.run([sys.executable, "-m", "ora_megatron.summary", "--config", path],
