@@ -65,6 +65,8 @@ class Consolidated:
     """FP32_MASTER or MODULE: where the trainable weights came from."""
     saved_dtype: Optional[torch.dtype]
     """dtype of the saved module weights; None for ZeRO-3 (the module files hold placeholders)."""
+    frozen_qk: list[str]
+    """Names of the Q/K weights frozen in every step so far (regenerated, not read)."""
 
 
 def pipeline_layer_file_stage(path, specs: list[StageSpec]) -> tuple[str, int]:
@@ -99,7 +101,7 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
         raise ValueError("ZeRO-3 with pipeline parallelism: DeepSpeed's pipeline engine refuses it, "
                          "so no such checkpoint exists")
 
-    frozen = _untrained_qk(cfg, reference, checkpoint_dir)
+    frozen = untrained_qk(cfg, reference, checkpoint_dir)
     merged = {}
     for what, per_rank in (("module", module), ("fp32 master", master)):
         if per_rank is not None:
@@ -107,12 +109,12 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
             _check_stored_qk(merged[what], frozen, what, cfg)
     state = _assemble(expected, frozen, merged.get("fp32 master", {}), merged.get("module", {}))
     saved_dtype = _saved_dtype(module[0]) if module is not None else None
-    return Consolidated(state, FP32_MASTER if master is not None else MODULE, saved_dtype)
+    return Consolidated(state, FP32_MASTER if master is not None else MODULE, saved_dtype, sorted(frozen))
 
 
 # ---------------------------------------------------------------------------- the reference model
 @contextlib.contextmanager
-def _tp1_parallel_state() -> Iterator[None]:
+def tp1_parallel_state() -> Iterator[None]:
     """megatron's parallel state for building a TP=1 model: joined if present, else created and
     destroyed afterwards (a consolidation script is a plain single process)."""
     own_group = not dist.is_initialized()
@@ -134,11 +136,11 @@ def _reference_model(cfg: RunConfig) -> StagedGPT:
 
     Building it seeds the torch RNG per stage; the caller's RNG state is restored afterwards.
     """
-    with _tp1_parallel_state(), torch.random.fork_rng(devices=[]):
+    with tp1_parallel_state(), torch.random.fork_rng(devices=[]):
         return build_staged_gpt(cfg.model, ParallelConfig())
 
 
-def _untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+def untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """Name → regenerated fp32 value of every Q/K that was frozen in every step before the checkpoint.
 
     Those are a function of (seed, layer, role) and are regenerated; a Q/K that was trainable in

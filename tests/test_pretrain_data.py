@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from data_fixtures import build_slimpajama
-from pretrain_runs import REPO, TINY_RUN, losses_by_step, records, run, summary, write_config
+from pretrain_runs import TINY_RUN, losses_by_step, records, run, summary, write_config
 
 from data_tools.manifest import blend_from_manifest
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pretrain_data")
-    build_slimpajama(str(root / "corpus"), documents_per_file=60, words=(40, 120), bad_records=False)
-    for args in (["data_tools.train_tokenizer", "--input", str(root / "corpus"), "--model-prefix",
-                  str(root / "tok" / "sp"), "--vocab-size", "400"],
-                 ["data_tools.build_shards", "--input", str(root / "corpus"), "--tokenizer",
-                  str(root / "tok" / "sp.model"), "--output-dir", str(root / "shards"), "--split-by-source",
-                  "--split", "train=0.8,valid=0.1,test=0.1", "--quiet"]):
-        subprocess.run([sys.executable, "-m", *args], cwd=REPO, check=True, capture_output=True)
-    return root / "shards"
 
 
 def test_trains_from_manifest(tmp_path, shards):

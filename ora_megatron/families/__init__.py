@@ -7,15 +7,24 @@ family lives in its own module (the Hugging Face mapping of a family belongs bes
 
 from __future__ import annotations
 
-from ora_megatron.families import gpt2, llama
+from types import ModuleType
+
+from ora_megatron.families import gpt2, gpt2_hf, llama, llama_hf
 from ora_megatron.families.family import Family
 from ora_megatron.model_config import ModelConfig
 
 FAMILIES = {family.name: family for family in (gpt2.FAMILY, llama.FAMILY)}
+# Each family's Hugging Face mapping: ARCHITECTURE, check_exportable, hf_config, hf_state_dict,
+# keep_frozen_snippet.
+HF_MAPPINGS = {"gpt2": gpt2_hf, "llama": llama_hf}
 
 
 def family_of(model: ModelConfig) -> Family:
     return FAMILIES[model.family]
 
 
-__all__ = ["FAMILIES", "Family", "family_of"]
+def hf_mapping_of(model: ModelConfig) -> ModuleType:
+    return HF_MAPPINGS[model.family]
+
+
+__all__ = ["FAMILIES", "HF_MAPPINGS", "Family", "family_of", "hf_mapping_of"]
