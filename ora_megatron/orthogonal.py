@@ -10,6 +10,7 @@ between LAPACK builds. The Hadamard method is a structured transform applied in 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -97,7 +98,32 @@ def orthogonal_matrix(method: str, rows: int, cols: int, generator: torch.Genera
         raise ValueError(f"orthonormal columns need 0 < cols <= rows, got rows={rows}, cols={cols}")
     if method == "hadamard":
         return RandomizedHadamard(rows, generator).dense()[:, :cols].contiguous()
-    return _DENSE_METHODS[method](rows, cols, generator).float()
+    with _one_thread():
+        return _DENSE_METHODS[method](rows, cols, generator).float()
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """LAPACK's QR/SVD results depend on the thread count in their last bits (seen: 1 of the 24
+    Base Q/K matrices differs between 1 and 2 threads), so draws run on one thread: bitwise the
+    same in every process of a machine. Other LAPACK builds may still differ by an ulp:
+    `matches_regenerated` allows for that."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def matches_regenerated(stored: torch.Tensor, regenerated: torch.Tensor) -> bool:
+    """Whether a stored frozen weight is the regenerated one, up to a few roundings in its dtype.
+
+    Another machine's LAPACK can move a draw by an ulp; a different seed or config moves entries
+    by about their own size, orders of magnitude beyond this bound.
+    """
+    bound = 4 * torch.finfo(stored.dtype).eps * regenerated.abs().max().item()
+    return (stored.float().cpu() - regenerated.float().cpu()).abs().max().item() <= bound
 
 
 # ----------------------------------------------------------------------------- Hadamard matrices
