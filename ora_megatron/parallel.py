@@ -19,7 +19,9 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = N
     gets a private one-process group so the same code path serves both.
     """
     if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        # With CUDA, NCCL for device tensors and gloo for the host-side scalars some collectives use
+        # (parameter counts, the skip/preemption flags): an NCCL-only group rejects CPU tensors.
+        backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:

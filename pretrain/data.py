@@ -38,7 +38,11 @@ def build_tokenizer(cfg: RunConfig):
     (mock data), sized so that ids stay below model.vocab_size."""
     path = tokenizer_path(cfg)
     if path is None:
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"},
+        # megatron-core renamed its null tokenizer library "null" -> "null-text" (0.17+).
+        from megatron.core.tokenizers.text.text_tokenizer import TOKENIZER_MAPPING_LIBRARIES
+
+        library = "null-text" if "null-text" in TOKENIZER_MAPPING_LIBRARIES else "null"
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": library},
                                                  vocab_size=cfg.model.vocab_size - 1)
     return MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={"library": "sentencepiece"})
 

@@ -51,7 +51,10 @@ def lm_loss(logits: torch.Tensor, labels_and_mask) -> torch.Tensor:
 
 def batch_loss(engine, batch: dict) -> torch.Tensor:
     """Loss of one micro-batch through a plain (not pipelined) engine."""
-    return lm_loss(engine(batch["tokens"]), (batch["labels"], batch["loss_mask"]))
+    # DeepSpeed's plain engine does not move inputs (its pipeline engine does); batches are host tensors.
+    tokens, labels, loss_mask = (batch[k].to(engine.device, non_blocking=True)
+                                 for k in ("tokens", "labels", "loss_mask"))
+    return lm_loss(engine(tokens), (labels, loss_mask))
 
 
 def data_parallel_mean(value: torch.Tensor) -> float:
