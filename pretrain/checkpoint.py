@@ -2,8 +2,10 @@
 
 A save writes the tag's directory through DeepSpeed (save_latest=False), then every rank's RNG
 state and train_state.json, then — after a barrier, so every rank's files are on disk — rank 0
-moves the run dir's `latest` pointer atomically and prunes old tags. An interrupted save
-therefore leaves `latest` at the previous complete checkpoint, and a partial one is never loaded.
+writes the tag's integrity record (size and sha256 of every file), moves the run dir's `latest`
+pointer atomically and prunes old tags. An interrupted save therefore leaves `latest` at the
+previous complete checkpoint, and a partial one is never loaded. Before any worker starts, the
+entry point checks the record of the checkpoint to resume from (pretrain/resume_check.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -20,6 +23,8 @@ import torch.distributed as dist
 from deepspeed.runtime.zero import GatheredParameters
 
 from ora_megatron.attention import RandomQKVLinear
+from ora_megatron.orthogonal import matches_regenerated
+from pretrain import reshard
 from pretrain.config import CheckpointConfig
 from pretrain.run_dir import RunDir, checkpoint_tag
 
@@ -55,13 +60,16 @@ class Checkpointer:
         """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state."""
         state.scheduler = eng.scheduler.state_dict()
         tag = checkpoint_tag(state.step)
-        eng.engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False)
+        eng.engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False,
+                                   client_state=reshard.optimizer_record(eng))  # names ZeRO-0's torch state
         rank = dist.get_rank()
         torch.save(_rng_state(), self.run_dir.rng_state_file(tag, rank))
         if rank == 0:
             self.run_dir.write_train_state(tag, asdict(state))
+            reshard.record_topology(self.run_dir, tag, reshard.engine_topology(eng))
         dist.barrier()
         if rank == 0:
+            self.run_dir.write_integrity_record(tag)  # before `latest` moves: a pointed-to tag has one
             self.run_dir.set_latest_checkpoint(tag)
             tags = self.run_dir.checkpoint_tags()
             for old in tags[: tags.index(tag) + 1][: -self.cfg.keep_last]:
@@ -76,14 +84,19 @@ class Checkpointer:
     def read_state(self, tag: str) -> TrainState:
         return TrainState(**self.run_dir.read_train_state(tag))
 
-    def load(self, eng, tag: str, state: TrainState) -> None:
-        """Model and optimizer (ZeRO partitions included) through DeepSpeed, this rank's RNG, the
-        LR schedule from `state` (the tag's train state), then frozen Q/K regenerated and checked."""
-        path, _ = eng.engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag, load_optimizer_states=True,
-                                             load_lr_scheduler_states=False)
-        if path is None:
-            raise RuntimeError(f"checkpoint {self.run_dir.checkpoint(tag)} could not be loaded")
-        _set_rng_state(torch.load(self.run_dir.rng_state_file(tag, dist.get_rank()), weights_only=False))
+    def load(self, eng, tag: str, state: TrainState, converted: Optional[Path] = None) -> None:
+        """Model and optimizer (ZeRO partitions included) through DeepSpeed and this rank's RNG —
+        or, for a tag another topology wrote, its topology-free conversion `converted` (per-rank
+        RNG states do not carry over) — then the LR schedule from `state` (the tag's train state)
+        and frozen Q/K regenerated and checked."""
+        if converted is not None:
+            reshard.load_converted(eng, converted)
+        else:
+            path, _ = eng.engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=False)
+            if path is None:
+                raise RuntimeError(f"checkpoint {self.run_dir.checkpoint(tag)} could not be loaded")
+            _set_rng_state(torch.load(self.run_dir.rng_state_file(tag, dist.get_rank()), weights_only=False))
         eng.scheduler.load_state_dict(state.scheduler)
         restore_frozen_qk(eng.module)
         self.last_saved_step = state.step
@@ -109,7 +122,8 @@ def restore_frozen_qk(module: torch.nn.Module) -> int:
 
     Frozen Q/K are a function, not state: whatever a checkpoint path did to them (ZeRO-3 or bf16
     round trips, universal checkpoints that skip module state), the regenerated values win. A
-    stored copy that differs from the regenerated one means a different seed/config and fails.
+    stored copy that differs from the regenerated one by more than an ulp of its dtype (another
+    LAPACK build) means a different seed/config and fails.
     Returns the number of tensors checked.
     """
     checked = 0
@@ -119,7 +133,7 @@ def restore_frozen_qk(module: torch.nn.Module) -> int:
                 continue
             expected = linear.local_weight(role)
             with GatheredParameters([param], modifier_rank=0):
-                if not torch.equal(param.data.cpu(), expected.to(param.dtype)):
+                if not matches_regenerated(param.data, expected):
                     raise RuntimeError(
                         f"frozen {role.upper()} of layer {linear.layer_number} in the checkpoint differs "
                         "from the one regenerated from model.seed: different seed or config?")

@@ -35,6 +35,7 @@ from megatron.core import parallel_state
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ParallelConfig
+from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
 from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_specs
 from pretrain.config import RunConfig
@@ -92,10 +93,10 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
     model if none exists, and torn down again.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    reference = _reference_model(cfg)
+    reference = reference_model(cfg)
     expected = reference.state_dict()
     tp = cfg.parallel.tensor
-    module = None if cfg.deepspeed.zero_stage == 3 else _module_weights(cfg, checkpoint_dir)
+    module = None if cfg.deepspeed.zero_stage == 3 else module_weights(cfg, checkpoint_dir)
     master = _fp32_master_weights(checkpoint_dir, tp) if _has_fp32_masters(cfg) else None
     if module is None and master is None:
         raise ValueError("ZeRO-3 with pipeline parallelism: DeepSpeed's pipeline engine refuses it, "
@@ -105,7 +106,7 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
     merged = {}
     for what, per_rank in (("module", module), ("fp32 master", master)):
         if per_rank is not None:
-            merged[what] = _merge_tensor_parallel(per_rank, reference, what)
+            merged[what] = merge_tensor_parallel(per_rank, reference, what)
             _check_stored_qk(merged[what], frozen, what, cfg)
     state = _assemble(expected, frozen, merged.get("fp32 master", {}), merged.get("module", {}))
     saved_dtype = _saved_dtype(module[0]) if module is not None else None
@@ -131,7 +132,7 @@ def tp1_parallel_state() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _reference_model(cfg: RunConfig) -> StagedGPT:
+def reference_model(cfg: RunConfig) -> StagedGPT:
     """The TP=1 model of the config: its keys, shapes, TP attributes and regenerated frozen Q/K.
 
     Building it seeds the torch RNG per stage; the caller's RNG state is restored afterwards.
@@ -163,7 +164,7 @@ def untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> 
 
 
 # ---------------------------------------------------------------------------- reading the files
-def _module_weights(cfg: RunConfig, checkpoint_dir: Path) -> list[StateDict]:
+def module_weights(cfg: RunConfig, checkpoint_dir: Path) -> list[StateDict]:
     """Per TP rank, the saved module state dict under the stage names (ZeRO-0/1/2)."""
     if cfg.parallel.pipeline > 1:
         return _pipeline_module_weights(cfg, checkpoint_dir)
@@ -224,7 +225,7 @@ def _saved_dtype(state: StateDict) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- merging and checking
-def _merge_tensor_parallel(per_rank: list[StateDict], reference: StagedGPT, what: str) -> dict[str, torch.Tensor]:
+def merge_tensor_parallel(per_rank: list[StateDict], reference: StagedGPT, what: str) -> dict[str, torch.Tensor]:
     """One full tensor per key from the TP ranks' tensors (keys every rank holds, tensors only)."""
     params = dict(reference.named_parameters())
     expected = reference.state_dict()
@@ -266,11 +267,11 @@ def _merge_shards(name: str, shards: list[torch.Tensor], param: Optional[torch.n
 
 def _check_stored_qk(stored: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], what: str,
                      cfg: RunConfig) -> None:
-    """Every stored copy of a frozen Q/K must equal the regenerated one in the stored dtype."""
+    """Every stored copy of a frozen Q/K must be the regenerated one (up to an ulp of its dtype)."""
     att = cfg.model.attention
     for name, regenerated in frozen.items():
         copy = stored.get(name)
-        if copy is not None and not torch.equal(copy, regenerated.to(copy.dtype)):
+        if copy is not None and not matches_regenerated(copy, regenerated):
             raise CheckpointMismatch(
                 f"{name}: the frozen weight stored in the checkpoint ({what} copy) differs from the one "
                 f"regenerated from model.seed={cfg.model.seed}, attention.type={att.type}, "

@@ -7,6 +7,9 @@ Each function says why the public API does not suffice. All were checked against
 
 from __future__ import annotations
 
+import itertools
+import os
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -33,6 +36,20 @@ def link_optimizer_fragments(engine) -> None:
     if hasattr(optimizer, "_hp_optimizer_states_linked"):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def optimizer_flat_params(engine) -> list[tuple[torch.Tensor, dict]]:
+    """(tensor, its param group) for every tensor the torch optimizer keeps Adam state for.
+
+    ZeRO-0/1/2 and the bf16 optimizer keep them in the groups' `params`. ZeRO-3 empties those between
+    steps (it puts one sub-group's fp32 partition there while stepping it, `_optimizer_step`): its
+    tensors are `fp32_partitioned_groups_flat`, sub-group i belonging to group `sub_group_to_group_id[i]`.
+    """
+    base, wrapper = base_optimizer(engine), engine.optimizer
+    if hasattr(wrapper, "fp32_partitioned_groups_flat"):
+        return [(flat, base.param_groups[wrapper.sub_group_to_group_id[i]])
+                for i, flat in enumerate(wrapper.fp32_partitioned_groups_flat)]
+    return [(flat, group) for group in base.param_groups for flat in group["params"]]
 
 
 def local_optimizer_state(engine, param, key: str) -> Optional[torch.Tensor]:
@@ -68,3 +85,106 @@ def full_numel(param: torch.Tensor) -> int:
     """Elements of the whole parameter: ZeRO-3 leaves a partitioned placeholder and keeps the
     full size in `ds_numel`."""
     return getattr(param, "ds_numel", param.numel())
+
+
+# ---------------------------------------------------------------------------- reading saved checkpoints
+# pretrain/reshard.py converts a checkpoint of one (DP, TP, PP, ZeRO) layout to per-parameter state.
+# DeepSpeed 0.19.8 has no public reader for that: zero_to_fp32 returns weights only, and
+# `deepspeed.checkpoint.ds_to_universal.main` is unusable whole here (checked on this project's
+# checkpoints): without the client's UNIVERSAL_CHECKPOINT_INFO TP patterns it concatenates replicated
+# norms and row-parallel weights along dim 0 (a TP=2 layernorm weight comes back with 128 elements
+# of 64); it crashes on megatron's `_extra_state` entries (None) of a PP=1 ZeRO-1/2 module state
+# (`tensor.float()` in its "params without optimizer fragments" step); and without
+# PIPELINE_REPLICATED patterns the last pipeline stage's copy of a tied module overwrites the first
+# stage's (its never-used position-embedding replica left the owner's exp_avg all zeros). Its
+# extraction step is sound, so the functions below call that step and DeepSpeed's DP-merge of the
+# fragments; the TP merge is the project's own (megatron's partition_dim / partition_stride).
+
+def checkpoint_layout(checkpoint_dir) -> Optional[dict]:
+    """(DP, TP, PP, ZeRO stage, precision) a DeepSpeed checkpoint was written with, from DeepSpeed's own
+    record in its model-states file: `dp_world_size`, `checkpoint_parallel_dimensions` (pp_degree,
+    tp_degree) and the `ds_config` it ran with (undocumented keys of `engine._save_checkpoint`).
+    Loaded with mmap, so no tensor is read. None when the directory holds no model-states file."""
+    files = sorted(p for p in Path(checkpoint_dir).glob("*model_states.pt") if not p.name.startswith("layer_"))
+    if not files:
+        return None
+    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    dims, config = state["checkpoint_parallel_dimensions"], state["ds_config"]
+    precision = next((p for p in ("bf16", "fp16") if config.get(p, {}).get("enabled")), "fp32")
+    return {"data": int(state["dp_world_size"]), "tensor": int(dims["tp_degree"]),
+            "pipeline": int(dims["pp_degree"]), "zero_stage": int(config["zero_optimization"]["stage"]),
+            "precision": precision}
+
+
+def has_partitioned_optimizer_files(checkpoint_dir) -> bool:
+    """True when the optimizer state is in `[bf16_]zero_pp_rank_*_optim_states.pt` files (ZeRO-1/2/3, and
+    the bf16 optimizer under ZeRO-0); False when it is the torch optimizer's state dict inside
+    `mp_rank_*_model_states.pt` (ZeRO-0 in fp32)."""
+    return any(Path(checkpoint_dir).glob("*zero_pp_rank_*_optim_states.pt"))
+
+
+def extract_zero_fragments(checkpoint_dir, out_dir, zero_stage: int) -> tuple[int, dict[str, int]]:
+    """Dump every optimizer-held parameter's fp32 / exp_avg / exp_avg_sq fragments of a partitioned
+    checkpoint as `out_dir/<DeepSpeed name>/<tp rank>/<state>.<dp rank>` (ds_to_universal's extraction:
+    `extract_zero_shards`, `extract_zero_shards_stage3` and the private `_build_zero3_rank_grid`).
+
+    Returns the TP degree and each parameter's Adam step. ZeRO-1/2 dump the step beside the fragments
+    (read by `merged_fragments(..., "step")`, returned empty here); DeepSpeed's ZeRO-3 extraction
+    drops it, so it is read from the optimizer file's sub-group state (`optimizer_state_dict` →
+    `optimizer_state_dict` → `state[i]["step"]`, sub-group i holding the parameters of `param_shapes[i]`).
+    """
+    from deepspeed.checkpoint import DeepSpeedCheckpoint
+    from deepspeed.checkpoint import ds_to_universal as ucp
+    from deepspeed.checkpoint.constants import (
+        PARAM_SHAPES,
+        PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_INFO,
+    )
+
+    checkpoint_dir, out_dir = str(checkpoint_dir), str(out_dir)
+    if zero_stage <= 2:
+        ds_checkpoint = DeepSpeedCheckpoint(checkpoint_dir)
+        # A later stage's copy of a tied module is a replica: only the first stage's state counts.
+        ds_checkpoint.global_state[UNIVERSAL_CHECKPOINT_INFO] = {
+            PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."]}
+        for indices in itertools.product(range(ds_checkpoint.pp_degree), range(ds_checkpoint.tp_degree),
+                                         range(ds_checkpoint.dp_degree)):
+            ucp.extract_zero_shards(out_dir, ds_checkpoint, indices)
+        return ds_checkpoint.tp_degree, {}
+    files = sorted(Path(checkpoint_dir).glob("*zero_pp_rank_*"))
+    model_grid, tp_degree, dp_degree = ucp._build_zero3_rank_grid([str(p) for p in files
+                                                                     if p.name.endswith("_model_states.pt")])
+    optim_grid, _, _ = ucp._build_zero3_rank_grid([str(p) for p in files if p.name.endswith("_optim_states.pt")])
+    shapes_grid = [_load(model_grid[tp][0])[PARAM_SHAPES] for tp in range(tp_degree)]
+    for tp, dp in itertools.product(range(tp_degree), range(dp_degree)):
+        ucp.extract_zero_shards_stage3(optim_grid, shapes_grid, dp_degree, out_dir, (tp, dp))
+    steps = {}
+    for tp in range(tp_degree):
+        sub_groups = _load(optim_grid[tp][0])["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+        for index, shapes in enumerate(shapes_grid[tp]):
+            for name in shapes:
+                steps[name] = int(sub_groups[index]["step"])
+    return tp_degree, steps
+
+
+def merged_fragments(fragment_dir, name: str, state: str, tp_degree: int) -> list:
+    """Per TP rank, the fragments of one parameter's `state` concatenated over the DP ranks (flat), or
+    for "step" the step (ds_to_universal's private `_merge_zero_shards`, which checks that every DP
+    rank saved the same step)."""
+    from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards
+
+    return _merge_zero_shards(os.path.join(str(fragment_dir), name), state, tp_degree)
+
+
+def torch_optimizer_state(model_states_file, client_key: str) -> tuple[dict, Optional[dict]]:
+    """ZeRO-0 in fp32: (the torch optimizer's state_dict, the client state saved under `client_key`) of
+    one model-parallel rank; DeepSpeed stores the former under `optimizer` in `mp_rank_*_model_states.pt`
+    (and `client_state` entries beside it)."""
+    state = _load(model_states_file)
+    return state["optimizer"], state.get(client_key)
+
+
+def _load(path) -> dict:
+    # DeepSpeed's files hold its config and versions beside the tensors: not weights_only. Memory-mapped:
+    # only the tensors used are read.
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

@@ -6,7 +6,10 @@
     deepspeed --num_gpus 8 pretrain/pretrain_ora.py --config ...         # see launch/
 
 The config is validated (with the process count) before any worker starts. An existing run dir
-with a checkpoint is resumed; so the same command continues an interrupted run.
+with a checkpoint is resumed; so the same command continues an interrupted run. Before resuming,
+the launching process checks (pretrain/resume_check.py) that the checkpoint's files match their
+integrity record — falling back to the newest intact one — and that the config changes nothing
+the checkpoint cannot take.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
+from pretrain.resume_check import ResumeRefused, check_resume
 from pretrain.run_dir import RunDir
 
 EXIT_CONFIG_ERROR = 2
@@ -43,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="validate the config for --world-size processes and exit (launch/ scripts)")
     parser.add_argument("--world-size", type=int, help="process count to validate against (with --check-only)")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
+    parser.add_argument("--resume-checked", action="store_true", help=argparse.SUPPRESS)  # set by _launch_local
     return parser.parse_args(argv)
 
 
@@ -56,7 +61,7 @@ def _launch_local(args, world_size: int, run_dir: Path) -> int:
     from torch.distributed.run import main as torchrun
 
     argv = [f"--nproc-per-node={world_size}", "--standalone", os.path.abspath(__file__),
-            "--config", args.config, "--run-dir", str(run_dir)]
+            "--config", args.config, "--run-dir", str(run_dir), "--resume-checked"]
     for item in args.set:
         argv += ["--set", item]
     try:
@@ -139,8 +144,28 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
+    resume_from = None
+    # Once per start: here, or under a launcher in rank 0 (before rendezvous, so the other ranks
+    # read `latest` after it); workers spawned by _launch_local were checked by their parent.
+    if not args.resume_checked and (not under_launcher or os.environ.get("RANK", "0") == "0"):
+        from pretrain.reshard import plan_topology_change
+
+        try:
+            plan = check_resume(RunDir(run_dir), cfg, world_size)
+            topology_change = plan_topology_change(RunDir(run_dir), plan.tag, cfg, world_size)
+        except ResumeRefused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        for line in plan.notices():
+            print(line, file=sys.stderr)
+        if not args.check_only:
+            plan.apply(RunDir(run_dir))
+            if topology_change is not None:  # converted once, here, before any worker starts
+                print(topology_change.convert(), file=sys.stderr)
+        resume_from = plan.tag
     if args.check_only:
-        print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}")
+        resumes = f", resumes from {resume_from}" if resume_from else ""
+        print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}{resumes}")
         return 0
     if not under_launcher and world_size > 1:
         return _launch_local(args, world_size, run_dir)

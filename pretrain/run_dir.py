@@ -4,8 +4,10 @@
       config.yaml  ds_config.json  versions.json     resolved config, DeepSpeed JSON, versions + git
       metrics.jsonl                                  one TrainRecord / EvalRecord per line (rank 0)
       summary.json                                   Summary of the finished (or stopped) run
+      resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
       checkpoints/latest                             tag of the newest complete checkpoint
-      checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt
+      checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
+                                                     integrity.json (size + sha256 of every other file)
       tensorboard/  wandb/  data_cache/
 
 The entry point, the trainer, the metrics logger, benchmarks, sweeps and tests read and write a
@@ -14,14 +16,17 @@ run through `RunDir`, so a layout change happens here only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Union
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
+RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
 
 
 def checkpoint_tag(step: int) -> str:
@@ -104,6 +109,12 @@ class MetricsFile:
         self._file.close()
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's content, read in chunks (hashlib releases the GIL while hashing)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write then rename: readers see the old file or the new one, never a partial one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -140,6 +151,7 @@ class RunDir:
     checkpoints = _Entry("checkpoints")
     tensorboard = _Entry("tensorboard")
     data_cache = _Entry("data_cache")
+    resume_log = _Entry("resume_log.jsonl")
 
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag
@@ -150,18 +162,29 @@ class RunDir:
     def rng_state_file(self, tag: str, rank: int) -> Path:
         return self.checkpoint(tag) / f"rng_rank{rank}.pt"
 
+    def topology_file(self, tag: str) -> Path:
+        """The (world size, DP, TP, PP, ZeRO stage, precision) that wrote the tag (pretrain/reshard.py)."""
+        return self.checkpoint(tag) / "topology.json"
+
+    def topology_free_dir(self, tag: str) -> Path:
+        """The tag converted once for resuming on another topology (pretrain/reshard.py's format)."""
+        return self.checkpoint(tag) / "topology_free"
+
+    def integrity_record_file(self, tag: str) -> Path:
+        return self.checkpoint(tag) / "integrity.json"
+
     # ------------------------------------------------------------------ checkpoints
     @property
-    def _latest_pointer(self) -> Path:
+    def latest_pointer(self) -> Path:
         return self.checkpoints / "latest"
 
     def latest_checkpoint(self) -> Optional[str]:
         """Tag of the newest complete checkpoint (the `latest` pointer), or None."""
-        pointer = self._latest_pointer
+        pointer = self.latest_pointer
         return pointer.read_text().strip() if pointer.exists() else None
 
     def set_latest_checkpoint(self, tag: str) -> None:
-        write_text_atomic(self._latest_pointer, tag)
+        write_text_atomic(self.latest_pointer, tag)
 
     def checkpoint_tags(self) -> list[str]:
         """Every checkpoint directory, oldest first (complete or not)."""
@@ -174,6 +197,56 @@ class RunDir:
 
     def write_train_state(self, tag: str, state: dict) -> None:
         write_text_atomic(self.train_state_file(tag), json.dumps(state, indent=2))
+
+    def checkpoint_world_size(self, tag: str) -> int:
+        """Processes that wrote the checkpoint: every rank saves its own RNG state."""
+        return sum(1 for p in self.checkpoint(tag).iterdir() if RNG_STATE_PATTERN.fullmatch(p.name))
+
+    # ------------------------------------------------------------------ checkpoint integrity
+    def checkpoint_files(self, tag: str) -> list[str]:
+        """Every file of a tag's directory as a relative path, sorted; its integrity record excluded."""
+        root, record = self.checkpoint(tag), self.integrity_record_file(tag)
+        own = {record.name, record.name + ".tmp"}
+        names = (str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+        return sorted(name for name in names if name not in own)
+
+    def write_integrity_record(self, tag: str) -> dict:
+        """Size and sha256 of every file of the tag, written atomically; call once all files are on disk."""
+        root = self.checkpoint(tag)
+        files = {name: {"size": (root / name).stat().st_size, "sha256": file_sha256(root / name)}
+                 for name in self.checkpoint_files(tag)}
+        record = {"algorithm": "sha256", "files": files}
+        write_text_atomic(self.integrity_record_file(tag), json.dumps(record, indent=1) + "\n")
+        return record
+
+    def has_integrity_record(self, tag: str) -> bool:
+        return self.integrity_record_file(tag).is_file()
+
+    def verify_checkpoint(self, tag: str) -> list[str]:
+        """What is wrong with a tag's files against its integrity record (each problem names its
+        file); empty when every recorded file is there with its size and checksum. Sizes are
+        checked first, so a missing or truncated file is reported without reading the rest."""
+        root, record_file = self.checkpoint(tag), self.integrity_record_file(tag)
+        if not root.is_dir():
+            return [f"{root} does not exist"]
+        if not record_file.is_file():
+            return [f"{record_file} is missing"]
+        try:
+            files = json.loads(record_file.read_text())["files"]
+            expected = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return [f"{record_file} is unreadable ({type(e).__name__}: {e})"]
+        problems = []
+        for name, (size, _) in expected.items():
+            path = root / name
+            if not path.is_file():
+                problems.append(f"{path} is missing")
+            elif path.stat().st_size != size:
+                problems.append(f"{path} has {path.stat().st_size} bytes, {size} recorded")
+        if problems:
+            return problems
+        return [f"{root / name} does not match its recorded sha256"
+                for name, (_, digest) in expected.items() if file_sha256(root / name) != digest]
 
     # ------------------------------------------------------------------ run files
     def write_run_files(self, config: dict, ds_config: dict, versions: dict) -> None:
@@ -189,6 +262,16 @@ class RunDir:
         from pretrain.config import load_run_config
 
         return load_run_config(str(self.config))
+
+    def log_resume(self, entry: dict) -> None:
+        """Append one line to resume_log.jsonl (which checkpoint, what was skipped, what changed)."""
+        with open(self.resume_log, "a") as f:
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry}, default=str) + "\n")
+
+    def read_resume_log(self) -> list[dict]:
+        if not self.resume_log.exists():
+            return []
+        return [json.loads(line) for line in self.resume_log.read_text().splitlines() if line]
 
     # ------------------------------------------------------------------ metrics and summary
     def open_metrics(self) -> MetricsFile:

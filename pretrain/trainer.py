@@ -13,7 +13,7 @@ from deepspeed.runtime.utils import get_flattened_grad_norm
 from megatron.core import parallel_state
 
 from ora_megatron.config_io import to_dict
-from pretrain import accounting
+from pretrain import accounting, reshard
 from pretrain.checkpoint import Checkpointer, TrainState
 from pretrain.config import RunConfig
 from pretrain.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
@@ -80,7 +80,9 @@ class Trainer:
             return False
         saved = self.checkpointer.read_state(tag)
         self._enter_freeze_stage(saved.freeze_stage)  # the optimizer must hold the saved trainable set
-        self.checkpointer.load(self.eng, tag, saved)
+        # Written by another topology: the launcher converted it once (pretrain/reshard.py).
+        converted = reshard.converted_checkpoint(self.run_dir, tag, self.cfg, dist.get_world_size())
+        self.checkpointer.load(self.eng, tag, saved, converted)
         self.state = saved
         return True
 

@@ -91,6 +91,7 @@ def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(tmp_path):
     key = next(k for k in states["module"] if k.endswith("linear_qkv.q_weight"))
     states["module"][key] = states["module"][key] + 1e-3
     torch.save(states, path)
+    RunDir(run_dir).write_integrity_record("step00000003")  # a checkpoint saved with other Q/K, not a damaged one
     out = run(config, run_dir, ["train.steps=6"], check=False)
     assert out.returncode != 0
     assert "differs from the one regenerated from model.seed" in out.stderr
