@@ -149,3 +149,13 @@ def test_variants_without_hf_architecture_are_refused_before_writing(tmp_path, a
         export(run_dir, tmp_path / "out")
     assert main(["--run-dir", str(run_dir.path), "--output", str(tmp_path / "out")]) == 2
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_hadamard_qk_are_exported_as_dense_matrices(shards, tmp_path):
+    """Our model applies frozen Hadamard Q/K as a fast transform; the export holds them as matrices."""
+    run_dir = tmp_path / "hadamard"
+    run(write_config(tmp_path), run_dir, [f"data.manifest={shards}/manifest.json", "data.mock=false",
+                                          "model.vocab_size=400", *FAMILIES["llama"],
+                                          "model.attention.orthogonal_method=hadamard"])
+    figures = export(RunDir(run_dir), tmp_path / "hf")
+    assert figures["passed"], figures
