@@ -5,6 +5,7 @@
       metrics.jsonl                                  one TrainRecord / EvalRecord per line (rank 0)
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
+      experiment.yaml                                ExperimentRecord of a sweep run (pretrain/sweep.py)
       checkpoints/latest                             tag of the newest complete checkpoint
       checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
                                                      integrity.json (size + sha256 of every other file)
@@ -90,6 +91,27 @@ class Summary:
     allocated_by_rank: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class ExperimentRecord:
+    """The research plan's record of one sweep run: which arm and seed, what it ran, what came out.
+    Written by pretrain.sweep before the run starts (status "running") and again when it ends."""
+
+    experiment_id: str  # "<spec>/<arm>/seed<seed>"
+    method: str  # the arm's name
+    seed: int
+    start_time: str
+    model_config: dict
+    training_config: dict
+    # final_train_loss, final_val_loss, final_val_ppl, training_time_hours; empty until the run ends
+    results: dict
+    notes: str
+    status: str  # "running" | "finished" | "failed"
+    exit_code: Optional[int]
+    log_tail: str  # the last lines of the run's log when it failed
+    config_hash: str  # sha256 of the resolved config
+    git_revision: str
+
+
 def _from_json(data: dict) -> Record:
     cls = TrainRecord if data["split"] == "train" else EvalRecord
     return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
@@ -152,6 +174,7 @@ class RunDir:
     tensorboard = _Entry("tensorboard")
     data_cache = _Entry("data_cache")
     resume_log = _Entry("resume_log.jsonl")
+    experiment = _Entry("experiment.yaml")
 
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag
@@ -288,3 +311,17 @@ class RunDir:
 
     def read_summary(self) -> Summary:
         return Summary(**json.loads(self.summary.read_text()))
+
+    # ------------------------------------------------------------------ sweeps
+    def write_experiment(self, record: ExperimentRecord) -> None:
+        import yaml
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.experiment, yaml.safe_dump(asdict(record), sort_keys=False))
+
+    def read_experiment(self) -> Optional[ExperimentRecord]:
+        import yaml
+
+        if not self.experiment.exists():
+            return None
+        return ExperimentRecord(**yaml.safe_load(self.experiment.read_text()))
