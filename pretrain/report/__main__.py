@@ -1,0 +1,30 @@
+"""`python -m pretrain.report DIR… --out REPORT_DIR [--reference vanilla] [--target-loss X] [--last-k 5]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pretrain.report.build import build_report
+from pretrain.report.runs import ReportError
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.report", description=__doc__)
+    parser.add_argument("dirs", nargs="+", type=Path, help="sweep output folders (runs in <arm>/seed<seed>/)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for report.md, tables and plots")
+    parser.add_argument("--reference", default="vanilla", help="the arm every other arm is compared with")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="validation loss for steps/time to target (default: the reference's worst final)")
+    parser.add_argument("--last-k", type=int, default=5, help="validation evals in the final-loss variance")
+    args = parser.parse_args(argv)
+    try:
+        report = build_report(args.dirs, args.out, args.reference, args.target_loss, args.last_k)
+    except ReportError as e:
+        parser.error(str(e))
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Builds REPORT_DIR: report.md, one CSV per table, report.json (settings + every table) and three PNGs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pretrain.report import plots
+from pretrain.report.runs import ReportError, RunMeasures, SweepRun, discover_runs, exclusion_reason, measure_run
+from pretrain.report.stats import compare_paired, holm, spread
+from pretrain.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
+
+# Measures averaged over an arm's seeds (mean and sample std of the per-seed values).
+AVERAGED = ("final_valid_loss", "final_valid_ppl", "steps_to_target", "seconds_to_target", "aucc",
+            "last_k_variance", "grad_norm_median", "grad_norm_max", "clipped_fraction", "skipped_steps",
+            "tokens_per_s_median", "peak_memory_gib", "train_seconds", "trainable_params", "frozen_params")
+
+
+@dataclass
+class Settings:
+    inputs: list[str]
+    reference: str
+    target_loss: Optional[float]
+    target_source: str  # how the target was chosen
+    last_k: int
+
+
+@dataclass
+class Sweep:
+    """The discovered runs, split into those the statistics use and those they cannot."""
+
+    arms: list[str]  # the reference first, then the others by name
+    found: int  # runs with an experiment record
+    used: list[SweepRun]
+    not_used: list[dict]  # arm, seed, status, exit_code, log_line, reason, run_dir
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
+
+
+def sort_sweep(runs: Sequence[SweepRun], reference: str) -> Sweep:
+    arms = sorted({r.arm for r in runs})
+    if reference not in arms:
+        raise ReportError(f"reference arm {reference!r} has no run; arms found: {', '.join(arms)}")
+    arms = [reference] + [a for a in arms if a != reference]
+    used, not_used = [], []
+    for run in sorted(runs, key=lambda r: (arms.index(r.arm), r.seed)):
+        reason = exclusion_reason(run)
+        if reason is None:
+            used.append(run)
+        else:
+            e = run.experiment
+            not_used.append({"arm": run.arm, "seed": run.seed, "status": e.status, "exit_code": e.exit_code,
+                             "log_line": first_line(e.log_tail), "reason": reason, "run_dir": str(run.run_dir.path)})
+    return Sweep(arms, len(runs), used, not_used + missing_runs(runs, arms))
+
+
+def missing_runs(runs: Sequence[SweepRun], arms: Sequence[str]) -> list[dict]:
+    """With no sweep spec at hand, a run is missing when another arm has its seed and this arm has no record."""
+    seeds = sorted({r.seed for r in runs})
+    present = {(r.arm, r.seed) for r in runs}
+    return [{"arm": arm, "seed": seed, "status": "missing", "exit_code": None, "log_line": "",
+             "reason": "no experiment record (another arm has this seed)", "run_dir": None}
+            for arm in arms for seed in seeds if (arm, seed) not in present]
+
+
+def choose_target(given: Optional[float], reference: str,
+                  reference_final: dict[int, float]) -> tuple[Optional[float], str]:
+    """The target loss and how it was chosen: given, or the reference arm's worst final validation loss
+    over its used seeds (each reference seed reaches it by its last eval at the latest)."""
+    if given is not None:
+        return given, "given with --target-loss"
+    if not reference_final:
+        return None, f"none: {reference} has no finished seed and --target-loss was not given"
+    worst = max(reference_final.values())
+    return worst, f"default: the worst final validation loss of {reference} over its {len(reference_final)} seeds"
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+def arm_row(arm: str, measures: Sequence[RunMeasures]) -> dict:
+    row = {"arm": arm, "seeds": len(measures), "seed_list": ", ".join(str(m.seed) for m in measures),
+           "reached_target": sum(bool(m.target_reached) for m in measures)}
+    for field in AVERAGED:
+        summary = spread([getattr(m, field) for m in measures])
+        row[f"{field}_mean"], row[f"{field}_std"] = summary.mean, summary.std
+    return row
+
+
+def comparison_rows(arms: Sequence[str], measures: Sequence[RunMeasures]) -> list[dict]:
+    """Each non-reference arm against arms[0] on the final validation loss, Holm across the arms per test."""
+    final = {arm: {m.seed: m.final_valid_loss for m in measures if m.arm == arm} for arm in arms}
+    rows = [{"arm": arm, **asdict(compare_paired(final[arm], final[arms[0]]))} for arm in arms[1:]]
+    for test in ("t_test_p", "wilcoxon_p"):
+        for row, adjusted in zip(rows, holm([row[test] for row in rows])):
+            row[f"{test}_holm"] = adjusted
+    return rows
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _spread_column(header: str, field: str, render) -> Column:
+    return Column(header, (f"{field}_mean", f"{field}_std"), render)
+
+
+def _reached(value, reached: Optional[bool], render) -> str:
+    return "not reached" if reached is False else render(value)
+
+
+ARM = Column("arm", ("arm",), plain)
+SEEDS = Column("seeds", ("seeds",), plain)
+
+
+def arms_table(rows: list[dict]) -> Table:
+    return Table("arms", [ARM, SEEDS, Column("seed list", ("seed_list",), plain),
+                          _spread_column("final valid loss", "final_valid_loss", mean_std(fixed(4))),
+                          _spread_column("final valid ppl", "final_valid_ppl", mean_std(fixed(2)))], rows)
+
+
+def comparison_table(rows: list[dict]) -> Table:
+    p = significant(4)
+    return Table("comparison", [
+        ARM, Column("pairs", ("pairs",), plain),
+        Column("mean diff (arm − ref)", ("mean_difference",), fixed(4)),
+        Column("t-test p", ("t_test_p",), p), Column("t-test p (Holm)", ("t_test_p_holm",), p),
+        Column("Wilcoxon p", ("wilcoxon_p",), p), Column("Wilcoxon p (Holm)", ("wilcoxon_p_holm",), p),
+        Column("Cohen's d_z", ("cohens_dz",), fixed(3)), Column("note", ("note",), plain)], rows)
+
+
+def convergence_table(rows: list[dict]) -> Table:
+    return Table("convergence", [
+        ARM, SEEDS, Column("reached target", ("reached_target",), plain),
+        _spread_column("steps to target", "steps_to_target", mean_std(fixed(0))),
+        _spread_column("train s to target", "seconds_to_target", mean_std(fixed(1))),
+        _spread_column("AUCC (mean loss)", "aucc", mean_std(fixed(4))),
+        _spread_column("last-k loss var", "last_k_variance", mean_std(significant(3))),
+        _spread_column("grad norm median", "grad_norm_median", mean_std(fixed(3))),
+        _spread_column("grad norm max", "grad_norm_max", mean_std(fixed(3))),
+        _spread_column("clipped fraction", "clipped_fraction", mean_std(fixed(3))),
+        _spread_column("skipped steps", "skipped_steps", mean_std(fixed(1)))], rows)
+
+
+def cost_table(rows: list[dict]) -> Table:
+    return Table("cost", [
+        ARM, SEEDS, _spread_column("tokens/s (median)", "tokens_per_s_median", mean_std(fixed(0))),
+        _spread_column("peak memory GiB", "peak_memory_gib", mean_std(fixed(3))),
+        _spread_column("train s", "train_seconds", mean_std(fixed(1))),
+        Column("trainable params", ("trainable_params_mean",), count),
+        Column("frozen params", ("frozen_params_mean",), count)], rows)
+
+
+def runs_table(measures: Sequence[RunMeasures]) -> Table:
+    rows = [asdict(m) for m in measures]
+    return Table("runs", [
+        ARM, Column("seed", ("seed",), plain),
+        Column("final valid loss", ("final_valid_loss",), fixed(4)),
+        Column("final valid ppl", ("final_valid_ppl",), fixed(2)),
+        Column("steps to target", ("steps_to_target", "target_reached"), lambda v, r: _reached(v, r, count)),
+        Column("train s to target", ("seconds_to_target", "target_reached"), lambda v, r: _reached(v, r, fixed(1))),
+        Column("AUCC", ("aucc",), fixed(4)), Column("last-k var", ("last_k_variance",), significant(3)),
+        Column("grad norm median", ("grad_norm_median",), fixed(3)),
+        Column("grad norm max", ("grad_norm_max",), fixed(3)),
+        Column("clipped", ("clipped_fraction",), fixed(3)), Column("skipped", ("skipped_steps",), plain),
+        Column("tokens/s", ("tokens_per_s_median",), fixed(0)),
+        Column("peak GiB", ("peak_memory_gib",), fixed(3)), Column("train s", ("train_seconds",), fixed(1)),
+        Column("trainable", ("trainable_params",), count), Column("frozen", ("frozen_params",), count)], rows)
+
+
+def not_used_table(rows: list[dict]) -> Table:
+    return Table("not_used", [
+        ARM, Column("seed", ("seed",), plain), Column("status", ("status",), plain),
+        Column("exit code", ("exit_code",), plain), Column("reason", ("reason",), plain),
+        Column("log tail, first line", ("log_line",), lambda line: f"`{line}`" if line else ""),
+        Column("run dir", ("run_dir",), plain)], rows)
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def definitions(settings: Settings) -> str:
+    k = settings.last_k
+    return f"""\
+- Arms and seeds: a run is an `experiment.yaml` found under the inputs (arm = its `method`). It enters
+  the statistics when its status is `finished`, it has a summary, was not preempted and has a finite final
+  validation loss; every other run, and every seed another arm has but this arm has no record of, is
+  listed under "Runs not in the statistics".
+- Per arm: mean ± sample standard deviation (ddof=1) of the per-seed values over the arm's seeds in
+  the statistics; "± n/a" with one seed, "n/a" with none. Perplexity is exp(final validation loss) per
+  seed, then averaged. Final validation loss is the run summary's (the last validation eval).
+- Paired comparison: difference = arm − reference final validation loss, over the seeds both arms have
+  in the statistics (positive: the arm's loss is higher). t-test: `scipy.stats.ttest_rel`, two-sided.
+  Wilcoxon signed-rank: `scipy.stats.wilcoxon`, two-sided, `zero_method="wilcox"` (zero differences
+  discarded), `method="auto"` (exact null distribution up to 50 differences without ties or zeros;
+  with them, exhaustive sign permutations up to 13, normal approximation above). With n pairs the
+  smallest exact two-sided Wilcoxon p is 2/2^n (0.0625 at 5 pairs). Cohen's d_z = mean of the
+  differences / their sample std (ddof=1). Holm: step-down over the non-reference arms with a p-value,
+  separately for the t-test and the Wilcoxon p-values, made monotone. With fewer than two pairs the
+  p-values and d_z are n/a; when all differences are equal (zero variance) the t-test and d_z are n/a;
+  when all are zero the Wilcoxon test is n/a too.
+- Target loss: {NA if settings.target_loss is None else f"{settings.target_loss:.4f}"}, {settings.target_source}.
+  Steps to target: the step of the first validation eval at or below it; "not reached" when none is
+  (per arm: mean ± std over the seeds that reached it, and how many did).
+- Train seconds (to target, and in all): the training steps' own time, Σ step_time_s × steps each logged
+  record stands for (a record logged at step s covers the steps since the previous record; exact with
+  log_interval 1). Evaluation, checkpointing and start-up are not counted.
+- AUCC: the area under the validation loss curve (trapezoids over steps, first to last eval) divided
+  by its step span, i.e. the curve's mean loss; n/a below two evals. Lower is faster convergence.
+- Validation evals with a non-finite loss are left out of the curve measures (target, AUCC, variance).
+- Last-k loss var: sample variance (ddof=1) of the last {k} validation losses; n/a below {k} evals.
+- Gradient norm: median and maximum of the logged global norm (DeepSpeed's, before clipping) over
+  logged steps with a finite norm; clipped fraction: the share of those above `optimizer.clip_grad` from
+  the run's config (n/a without a config or with clipping off). Logged steps are every log_interval-th.
+- Tokens/s: median over logged steps of global tokens per step / step time. Peak memory: the largest
+  `peak_mem_bytes` logged by rank 0 (GPU: allocator peak; CPU: process max RSS), in GiB (2^30 bytes).
+- Plots: `{plots.VALID_CURVES}` mean validation loss over the seeds evaluated at each step, band
+  min–max over those seeds; `{plots.FINAL_LOSS}` each seed (grey) and mean ± sample std;
+  `{plots.SPEED_MEMORY}` bars at the mean over seeds with ± sample std error bars.
+- Tables as data: `<table>.csv` (n/a written as `n/a`) and `report.json` (settings and every table;
+  n/a is null), full precision; the Markdown rounds.
+"""
+
+
+def markdown(settings: Settings, sweep: Sweep, tables: dict[str, Table]) -> str:
+    inputs = ", ".join(f"`{p}`" for p in settings.inputs)
+    target = NA if settings.target_loss is None else f"{settings.target_loss:.4f}"
+    not_used = tables["not_used"].markdown() if tables["not_used"].rows else "None."
+    return f"""\
+# Sweep report
+
+Inputs: {inputs}. Runs found: {sweep.found}, in the statistics: {len(sweep.used)}; \
+listed as not in the statistics: {len(sweep.not_used)} (missing seeds included).
+Reference arm: `{settings.reference}`. Target validation loss: {target} ({settings.target_source}). \
+Last k: {settings.last_k}.
+
+## Final validation loss per arm
+
+{tables["arms"].markdown()}
+
+## Paired comparison against `{settings.reference}` (final validation loss)
+
+{tables["comparison"].markdown()}
+
+## Convergence and stability
+
+{tables["convergence"].markdown()}
+
+## Speed, memory and parameters
+
+{tables["cost"].markdown()}
+
+## Runs not in the statistics
+
+{not_used}
+
+## Plots
+
+![validation loss curves]({plots.VALID_CURVES})
+
+![final validation loss]({plots.FINAL_LOSS})
+
+![speed and memory]({plots.SPEED_MEMORY})
+
+## Per run
+
+{tables["runs"].markdown()}
+
+## Definitions
+
+{definitions(settings)}"""
+
+
+def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
+                 target_loss: Optional[float] = None, last_k: int = 5) -> Path:
+    """Write the report of the sweeps under `inputs` into `out`; returns report.md's path."""
+    if last_k < 2:
+        raise ReportError(f"--last-k must be at least 2 (a variance), got {last_k}")
+    runs = discover_runs(inputs)
+    if not runs:
+        raise ReportError(f"no experiment records under {', '.join(map(str, inputs))}")
+    sweep = sort_sweep(runs, reference)
+    reference_final = {r.seed: r.run_dir.read_summary().final_valid_loss for r in sweep.used if r.arm == reference}
+    target, source = choose_target(target_loss, reference, reference_final)
+    settings = Settings([str(p) for p in inputs], reference, target, source, last_k)
+    measures = [measure_run(run, target, last_k) for run in sweep.used]
+    arm_rows = [arm_row(arm, [m for m in measures if m.arm == arm]) for arm in sweep.arms]
+    tables = {t.name: t for t in (arms_table(arm_rows), comparison_table(comparison_rows(sweep.arms, measures)),
+                                  convergence_table(arm_rows), cost_table(arm_rows), runs_table(measures),
+                                  not_used_table(sweep.not_used))}
+    out.mkdir(parents=True, exist_ok=True)
+    for table in tables.values():
+        table.write_csv(out)
+    document = {"settings": asdict(settings), "tables": {name: t.records() for name, t in tables.items()}}
+    (out / "report.json").write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+    plots.plot_valid_curves(sweep.arms, measures, out / plots.VALID_CURVES)
+    plots.plot_final_loss(sweep.arms, measures, out / plots.FINAL_LOSS)
+    plots.plot_speed_memory(sweep.arms, measures, out / plots.SPEED_MEMORY)
+    report = out / "report.md"
+    report.write_text(markdown(settings, sweep, tables))
+    return report
+

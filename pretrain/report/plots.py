@@ -1,0 +1,95 @@
+"""The report's three PNGs, drawn on matplotlib Figures (Agg canvas, no pyplot state).
+
+Every arm appears on every plot's axis, finished seeds or not; an arm without one has no mark.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from pretrain.report.runs import RunMeasures
+from pretrain.report.stats import spread
+
+VALID_CURVES = "valid_loss_curves.png"
+FINAL_LOSS = "final_valid_loss.png"
+SPEED_MEMORY = "speed_memory.png"
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.tight_layout()
+    FigureCanvasAgg(figure).print_png(path)
+    return path
+
+
+def plot_valid_curves(arms: Sequence[str], measures: Sequence[RunMeasures], path: Path) -> Path:
+    """Per arm: mean validation loss over the seeds evaluated at each step, in a band from their
+    minimum to their maximum."""
+    figure = Figure(figsize=(8, 5))
+    axes = figure.subplots()
+    for arm in arms:
+        losses_by_step: dict[int, list[float]] = defaultdict(list)
+        for m in measures:
+            if m.arm == arm:
+                for step, loss in m.valid_curve:
+                    losses_by_step[step].append(loss)
+        steps = sorted(losses_by_step)
+        if not steps:
+            continue
+        per_step = [losses_by_step[s] for s in steps]
+        line, = axes.plot(steps, [sum(v) / len(v) for v in per_step], label=arm)
+        axes.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
+                          color=line.get_color(), alpha=0.2, linewidth=0)
+    axes.set(xlabel="step", ylabel="validation loss", title="Validation loss: mean over seeds, band min–max")
+    if axes.lines:
+        axes.legend()
+    return _save(figure, path)
+
+
+def _arm_axis(axes, arms: Sequence[str]) -> None:
+    """One slot per arm on x, every slot shown (an arm without a value too)."""
+    axes.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
+    axes.set_xlim(-0.6, len(arms) - 0.4)
+
+
+def _mark_na(axes, x: int) -> None:
+    """An arm without a value gets "n/a" at the bottom of its slot instead of a mark."""
+    axes.annotate("n/a", (x, 0.02), xycoords=("data", "axes fraction"), ha="center", color="0.4")
+
+
+def plot_final_loss(arms: Sequence[str], measures: Sequence[RunMeasures], path: Path) -> Path:
+    """Per arm: each seed's final validation loss, and their mean with ± sample-std error bars."""
+    figure = Figure(figsize=(max(5, 1.2 * len(arms)), 4.5))
+    axes = figure.subplots()
+    for x, arm in enumerate(arms):
+        losses = [m.final_valid_loss for m in measures if m.arm == arm]
+        if not losses:
+            _mark_na(axes, x)
+            continue
+        summary = spread(losses)
+        axes.scatter([x] * len(losses), losses, color="0.6", s=12, zorder=2)
+        axes.errorbar([x], [summary.mean], yerr=[summary.std or 0.0], fmt="o", color="C0", capsize=6, zorder=3)
+    _arm_axis(axes, arms)
+    axes.set(ylabel="final validation loss", title="Final validation loss: seeds, mean ± sample std")
+    return _save(figure, path)
+
+
+def plot_speed_memory(arms: Sequence[str], measures: Sequence[RunMeasures], path: Path) -> Path:
+    """Per arm: median tokens/s and peak memory, each a bar at the mean over seeds with ± sample std."""
+    figure = Figure(figsize=(max(8, 2.0 * len(arms)), 4.5))
+    speed_axes, memory_axes = figure.subplots(1, 2)
+    for axes, field, label, color in ((speed_axes, "tokens_per_s_median", "tokens/s (median over steps)", "C2"),
+                                      (memory_axes, "peak_memory_gib", "peak memory (GiB, rank 0)", "C1")):
+        for x, arm in enumerate(arms):
+            summary = spread([getattr(m, field) for m in measures if m.arm == arm])
+            if summary.mean is None:
+                _mark_na(axes, x)
+                continue
+            axes.bar([x], [summary.mean], yerr=[summary.std or 0.0], capsize=5, color=color)
+        _arm_axis(axes, arms)
+        axes.set(ylabel=label, title=label)
+    return _save(figure, path)

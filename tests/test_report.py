@@ -1,0 +1,327 @@
+"""pretrain.report on sweeps built through the RunDir API, with answers known by hand."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from pretrain.report import plots
+from pretrain.report.__main__ import main
+from pretrain.report.build import build_report
+from pretrain.report.runs import (
+    SweepRun,
+    exclusion_reason,
+    last_k_variance,
+    latest_per_step,
+    mean_loss_over_curve,
+    steps_to_target,
+    training_seconds_until,
+)
+from pretrain.report.stats import compare_paired, holm
+from pretrain.run_dir import EvalRecord, ExperimentRecord, RunDir, Summary, TrainRecord
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def train_record(step: int, step_time_s: float = 0.1, grad_norm: float = 0.5, peak_mem_bytes: int = 2**30,
+                 tokens_per_s: float = 1000.0) -> TrainRecord:
+    return TrainRecord(step=step, loss=3.0, lr=1e-3, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
+                       step_time_s=step_time_s, skipped_steps=0, trainable_params=900, peak_mem_bytes=peak_mem_bytes)
+
+
+def valid_record(step: int, loss: float) -> EvalRecord:
+    return EvalRecord(step=step, split="valid", loss=loss, ppl=math.exp(loss))
+
+
+def write_run(root: Path, arm: str, seed: int, *, final_loss: float | None = None, status: str = "finished",
+              exit_code: int | None = 0, log_tail: str = "", train: list[TrainRecord] = (),
+              curve: list[tuple[int, float]] = (), frozen: int = 0, clip_grad: float = 1.0) -> RunDir:
+    """One sweep run at root/<arm>/seed<seed>: experiment record, config, metrics and (when finished) summary.
+    Without a curve, the validation curve is 4.0 at step 10 down to final_loss at step 20."""
+    run_dir = RunDir(root / arm / f"seed{seed}")
+    run_dir.write_experiment(ExperimentRecord(
+        experiment_id=f"spec/{arm}/seed{seed}", method=arm, seed=seed, start_time="2026-01-01T00:00:00",
+        model_config={}, training_config={}, results={}, notes="", status=status, exit_code=exit_code,
+        log_tail=log_tail, config_hash="0" * 64, git_revision="abc"))
+    run_dir.write_run_files({"optimizer": {"clip_grad": clip_grad}}, {}, {})
+    curve = curve or ([(10, 4.0), (20, final_loss)] if final_loss is not None else [])
+    metrics = run_dir.open_metrics()
+    for record in list(train or [train_record(10), train_record(20)]) + [valid_record(s, v) for s, v in curve]:
+        metrics.append(record)
+    metrics.close()
+    if status == "finished":
+        run_dir.write_summary(Summary(
+            final_train_loss=3.0, final_valid_loss=curve[-1][1], final_test_loss=None, wall_time_s=10.0,
+            steps=curve[-1][0], stopped_early=False, preempted=False, tokens_seen=0, skipped_steps=0,
+            trainable_params=1000 - frozen, frozen_params=frozen))
+    return run_dir
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_holm_textbook_example():
+    # sorted: 0.005·4 = 0.02, 0.01·3 = 0.03, 0.03·2 = 0.06, 0.04·1 = 0.04 → raised to 0.06 (monotone)
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+
+
+def test_holm_keeps_na_out_of_the_family_and_caps_at_one():
+    assert holm([0.02, None, 0.6]) == pytest.approx([0.04, None, 0.6])
+    assert holm([0.5, 0.7]) == [1.0, 1.0]
+
+
+def test_paired_tests_against_hand_values_when_the_arm_is_worse():
+    reference = {42: 3.0, 2024: 3.1, 12345: 3.2, 98765: 3.3, 555666: 3.4}
+    differences = {42: 0.1, 2024: 0.2, 12345: 0.3, 98765: 0.4, 555666: 0.5}
+    arm = {seed: reference[seed] + differences[seed] for seed in reference}
+    result = compare_paired(arm, reference)
+    # t = mean / (sd / sqrt(n)) = 0.3 / (sqrt(0.025) / sqrt(5)) = sqrt(18), 4 degrees of freedom.
+    t = 0.3 / (math.sqrt(0.025) / math.sqrt(5))
+    assert t == pytest.approx(math.sqrt(18))
+    assert result.pairs == 5 and result.mean_difference == pytest.approx(0.3)
+    assert result.t_test_p == pytest.approx(2 * stats.t.sf(t, df=4))
+    assert result.t_test_p == pytest.approx(0.0132356, abs=1e-6)
+    # Every difference positive: W− = 0, exact two-sided p = 2 · P(W ≤ 0) = 2/2^5.
+    assert result.wilcoxon_p == pytest.approx(2 / 32)
+    assert result.cohens_dz == pytest.approx(0.3 / math.sqrt(0.025))
+    assert result.note == ""
+
+
+def test_wilcoxon_with_mixed_signs_and_the_sign_of_the_difference():
+    reference = {1: 2.0, 2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0}
+    arm = {1: 1.5, 2: 2.1, 3: 1.7, 4: 1.8, 5: 1.6}  # differences −0.5, +0.1, −0.3, −0.2, −0.4
+    result = compare_paired(arm, reference)
+    assert result.mean_difference == pytest.approx(-0.26)  # the arm's loss is lower
+    # |d| ranks 5, 1, 3, 2, 4: W+ = 1; subsets of 1..5 with rank sum ≤ 1 are {} and {1}: p = 2 · 2/32.
+    assert result.wilcoxon_p == pytest.approx(0.125)
+    assert result.t_test_p == pytest.approx(stats.ttest_rel(list(arm.values()), list(reference.values())).pvalue)
+
+
+def test_cohens_dz_by_hand():
+    result = compare_paired({1: 11.0, 2: 12.0, 3: 13.0}, {1: 10.0, 2: 10.0, 3: 10.0})
+    # differences 1, 2, 3: mean 2, sample std 1
+    assert result.cohens_dz == pytest.approx(2.0)
+
+
+def test_one_pair_is_na_and_unpaired_seeds_are_left_out():
+    result = compare_paired({42: 3.5, 7: 3.0}, {42: 3.25, 8: 3.0})
+    assert result.pairs == 1 and result.mean_difference == 0.25
+    assert (result.t_test_p, result.wilcoxon_p, result.cohens_dz) == (None, None, None)
+    assert result.note == "fewer than two paired seeds"
+
+
+def test_equal_differences_leave_the_t_test_undefined():
+    result = compare_paired({1: 3.25, 2: 3.75, 3: 4.25}, {1: 3.0, 2: 3.5, 3: 4.0})
+    assert result.t_test_p is None and result.cohens_dz is None
+    assert "zero variance" in result.note
+    assert result.wilcoxon_p == pytest.approx(0.25)  # all three differences positive (tied ranks)
+    zeros = compare_paired({1: 3.0, 2: 3.5}, {1: 3.0, 2: 3.5})
+    assert zeros.wilcoxon_p is None and "all differences zero" in zeros.note
+
+
+# ---------------------------------------------------------------------------- curves
+
+
+def test_steps_and_training_time_to_target():
+    valid = [valid_record(10, 3.0), valid_record(25, 2.4), valid_record(40, 2.6), valid_record(50, 2.0)]
+    assert steps_to_target(valid, 2.5) == 25
+    assert steps_to_target(valid, 2.4) == 25  # at or below
+    assert steps_to_target(valid, 1.9) is None
+    train = [train_record(10, 0.1), train_record(20, 0.2), train_record(30, 0.3)]
+    # steps 1–10 at 0.1 s, 11–20 at 0.2 s, 21–25 at the step-30 record's 0.3 s
+    assert training_seconds_until(train, 25) == pytest.approx(4.5)
+    assert training_seconds_until(train, 30) == pytest.approx(6.0)
+
+
+def test_a_resumed_run_keeps_the_last_record_of_each_step():
+    records = [train_record(10, 0.1), train_record(20, 9.0), train_record(20, 0.2), train_record(15, 0.5)]
+    assert [(r.step, r.step_time_s) for r in latest_per_step(records)] == [(10, 0.1), (15, 0.5), (20, 0.2)]
+
+
+def test_aucc_of_a_linear_curve_is_its_midpoint():
+    valid = [valid_record(step, 5.0 - 0.001 * step) for step in range(100, 1001, 100)]
+    assert mean_loss_over_curve(valid) == pytest.approx(5.0 - 0.001 * 550)
+    assert mean_loss_over_curve(valid[:1]) is None
+
+
+def test_last_k_variance():
+    losses = [9.0, 8.0, 2.0, 2.5, 3.0, 2.0, 2.5]
+    valid = [valid_record(10 * i, loss) for i, loss in enumerate(losses, 1)]
+    assert last_k_variance(valid, 5) == pytest.approx(statistics.variance([2.0, 2.5, 3.0, 2.0, 2.5]))
+    assert last_k_variance(valid, 5) == pytest.approx(0.175)
+    assert last_k_variance(valid[:4], 5) is None
+
+
+def test_preempted_and_diverged_runs_stay_out_of_the_statistics(tmp_path):
+    run_dir = write_run(tmp_path, "ora", 42, final_loss=3.0)
+    run = SweepRun("ora", 42, run_dir, run_dir.read_experiment())
+    assert exclusion_reason(run) is None
+    summary = run_dir.read_summary()
+    run_dir.write_summary(dataclasses.replace(summary, preempted=True, steps=15))
+    assert exclusion_reason(run).startswith("preempted at step 15")
+    run_dir.write_summary(dataclasses.replace(summary, final_valid_loss=float("nan")))
+    assert "diverged" in exclusion_reason(run)
+
+
+# ---------------------------------------------------------------------------- the whole report
+
+VANILLA = {42: 3.0, 2024: 3.1, 12345: 3.2, 98765: 3.05}
+ORA = {42: 3.1, 2024: 3.3, 12345: 3.2}  # seed 98765 failed; differences 0.1, 0.2, 0.0
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweep")
+    for seed, loss in VANILLA.items():
+        write_run(root, "vanilla", seed, final_loss=loss,
+                  train=[train_record(10, 0.1, grad_norm=0.5), train_record(20, 0.2, grad_norm=1.5)])
+    for seed, loss in ORA.items():
+        write_run(root, "ora", seed, final_loss=loss, frozen=200,
+                  train=[train_record(10, 0.1, peak_mem_bytes=2**29, tokens_per_s=1500.0),
+                         train_record(20, 0.1, peak_mem_bytes=2**29, tokens_per_s=1700.0)])
+    write_run(root, "ora", 98765, status="failed", exit_code=3,
+              log_tail="RuntimeError: 5 consecutive steps had non-finite loss\nTraceback (most recent call last):")
+    write_run(root, "frozen_gaussian", 42, final_loss=3.4)
+    write_run(root, "synthesizer_random", 42, status="running", exit_code=None)
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(sweep, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("report")
+    build_report([sweep], out, reference="vanilla", last_k=2)
+    return out
+
+
+def markdown_table(report_md: str, heading: str) -> list[dict]:
+    """The Markdown table under `## heading` as header → cell dicts."""
+    section = report_md.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    split = [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines]
+    return [dict(zip(split[0], row)) for row in split[2:]]
+
+
+def report_json(report: Path) -> dict:
+    return json.loads((report / "report.json").read_text())
+
+
+def test_per_arm_final_loss_mean_and_sample_std(report):
+    arms = {row["arm"]: row for row in markdown_table((report / "report.md").read_text(), "Final validation loss")}
+    vanilla = list(VANILLA.values())
+    assert arms["vanilla"]["seeds"] == "4"
+    assert arms["vanilla"]["final valid loss"] == f"{statistics.fmean(vanilla):.4f} ± {statistics.stdev(vanilla):.4f}"
+    ppl = [math.exp(v) for v in vanilla]
+    assert arms["vanilla"]["final valid ppl"] == f"{statistics.fmean(ppl):.2f} ± {statistics.stdev(ppl):.2f}"
+    assert arms["frozen_gaussian"]["final valid loss"] == "3.4000 ± n/a"
+    assert arms["synthesizer_random"]["seeds"] == "0"
+    assert arms["synthesizer_random"]["final valid loss"] == "n/a"
+    assert list(arms) == ["vanilla", "frozen_gaussian", "ora", "synthesizer_random"]
+
+
+def test_comparison_pairs_seeds_and_marks_na(report):
+    rows = {row["arm"]: row for row in report_json(report)["tables"]["comparison"]}
+    ora = rows["ora"]
+    assert ora["pairs"] == 3 and ora["mean_difference"] == pytest.approx(0.1)
+    expected_t = stats.ttest_rel(list(ORA.values()), [VANILLA[s] for s in ORA]).pvalue
+    assert ora["t_test_p"] == pytest.approx(expected_t)
+    assert ora["t_test_p_holm"] == pytest.approx(expected_t)  # the only t-test p in the family
+    # one zero difference discarded, two positive ones left (tied with nothing): 2 · 1/4
+    assert ora["wilcoxon_p"] == pytest.approx(0.5)
+    assert ora["cohens_dz"] == pytest.approx(0.1 / 0.1)
+    gaussian, synthesizer = rows["frozen_gaussian"], rows["synthesizer_random"]
+    assert gaussian["pairs"] == 1 and gaussian["t_test_p"] is None and gaussian["cohens_dz"] is None
+    assert synthesizer["pairs"] == 0 and synthesizer["mean_difference"] is None
+    md = {row["arm"]: row for row in markdown_table((report / "report.md").read_text(), "Paired comparison")}
+    assert md["frozen_gaussian"]["t-test p"] == md["frozen_gaussian"]["Cohen's d_z"] == "n/a"
+    assert md["frozen_gaussian"]["note"] == "fewer than two paired seeds"
+
+
+def test_default_target_is_the_reference_worst_final_loss(report):
+    settings = report_json(report)["settings"]
+    assert settings["target_loss"] == 3.2
+    assert "worst final validation loss of vanilla" in settings["target_source"]
+    assert "Target validation loss: 3.2000 (default" in (report / "report.md").read_text()
+    runs = {(row["arm"], row["seed"]): row for row in report_json(report)["tables"]["runs"]}
+    # The curve is 4.0 at step 10, the final loss at step 20: at or below 3.2 at step 20 or never.
+    assert runs[("vanilla", 12345)]["steps_to_target"] == 20
+    assert runs[("vanilla", 12345)]["seconds_to_target"] == pytest.approx(10 * 0.1 + 10 * 0.2)
+    assert runs[("ora", 2024)]["target_reached"] is False and runs[("ora", 2024)]["steps_to_target"] is None
+    md = {(r["arm"], r["seed"]): r for r in markdown_table((report / "report.md").read_text(), "Per run")}
+    assert md[("ora", "2024")]["steps to target"] == "not reached"
+
+
+def test_convergence_and_cost_per_arm(report):
+    arms = {row["arm"]: row for row in report_json(report)["tables"]["convergence"]}
+    assert arms["ora"]["reached_target"] == 2 and arms["ora"]["steps_to_target_mean"] == 20
+    assert arms["vanilla"]["grad_norm_median_mean"] == pytest.approx(1.0)
+    assert arms["vanilla"]["clipped_fraction_mean"] == pytest.approx(0.5)  # 1.5 > clip_grad 1.0
+    assert arms["vanilla"]["last_k_variance_mean"] is not None
+    cost = {row["arm"]: row for row in report_json(report)["tables"]["cost"]}
+    assert cost["ora"]["tokens_per_s_median_mean"] == pytest.approx(1600.0)
+    assert cost["ora"]["peak_memory_gib_mean"] == pytest.approx(0.5)
+    assert cost["ora"]["frozen_params_mean"] == 200 and cost["ora"]["trainable_params_mean"] == 800
+    assert cost["synthesizer_random"]["tokens_per_s_median_mean"] is None
+
+
+def test_failed_running_and_missing_runs_are_listed(report):
+    rows = {(r["arm"], r["seed"]): r for r in markdown_table((report / "report.md").read_text(),
+                                                             "Runs not in the statistics")}
+    failed = rows[("ora", "98765")]
+    assert (failed["status"], failed["exit code"]) == ("failed", "3")
+    assert failed["log tail, first line"] == "`RuntimeError: 5 consecutive steps had non-finite loss`"
+    assert rows[("synthesizer_random", "42")]["status"] == "running"
+    for arm in ("frozen_gaussian", "synthesizer_random"):
+        for seed in ("2024", "12345", "98765"):
+            assert rows[(arm, seed)]["status"] == "missing"
+    assert ("vanilla", "42") not in rows and len(rows) == 2 + 2 * 3
+
+
+def test_plots_are_png_files(report):
+    for name in (plots.VALID_CURVES, plots.FINAL_LOSS, plots.SPEED_MEMORY):
+        data = (report / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+        assert f"]({name})" in (report / "report.md").read_text()
+
+
+def test_csv_json_and_markdown_agree(report):
+    """Every CSV cell is the JSON value (n/a ↔ null), and every Markdown table has the JSON's rows in order."""
+    document = report_json(report)
+    headings = {"arms": "Final validation loss", "comparison": "Paired comparison", "convergence": "Convergence",
+                "cost": "Speed, memory", "runs": "Per run", "not_used": "Runs not in the statistics"}
+    for name, records in document["tables"].items():
+        with open(report / f"{name}.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == len(records)
+        for row, record in zip(rows, records):
+            assert row.keys() == record.keys()
+            for key, value in record.items():
+                assert row[key] == ("n/a" if value is None else str(value)), (name, key)
+        md = markdown_table((report / "report.md").read_text(), headings[name])
+        assert [r["arm"] for r in md] == [r["arm"] for r in records]
+    arms = {r["arm"]: r for r in document["tables"]["arms"]}
+    md_arms = {r["arm"]: r for r in markdown_table((report / "report.md").read_text(), "Final validation loss")}
+    for arm, record in arms.items():
+        mean, std = record["final_valid_loss_mean"], record["final_valid_loss_std"]
+        expected = "n/a" if mean is None else f"{mean:.4f} ± {'n/a' if std is None else f'{std:.4f}'}"
+        assert md_arms[arm]["final valid loss"] == expected
+    comparison = {r["arm"]: r for r in document["tables"]["comparison"]}
+    md_comparison = {r["arm"]: r for r in markdown_table((report / "report.md").read_text(), "Paired comparison")}
+    assert md_comparison["ora"]["t-test p"] == f"{comparison['ora']['t_test_p']:.4g}"
+
+
+def test_command_line_and_its_errors(sweep, tmp_path, capsys):
+    main([str(sweep), "--out", str(tmp_path / "out"), "--target-loss", "3.15", "--last-k", "2"])
+    assert "report:" in capsys.readouterr().out
+    settings = report_json(tmp_path / "out")["settings"]
+    assert (settings["target_loss"], settings["target_source"]) == (3.15, "given with --target-loss")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(sweep), "--out", str(tmp_path / "other"), "--reference", "vanila"])
+    assert exit_info.value.code == 2
+    assert "reference arm 'vanila' has no run" in capsys.readouterr().err
