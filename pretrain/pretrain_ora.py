@@ -34,6 +34,14 @@ from pretrain.run_dir import RunDir
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3
 
+# DeepSpeed's OpenMPI and SLURM backends start every rank themselves (mpirun, srun) and leave the
+# torch variables to deepspeed.init_distributed's MPI discovery, which this entry point does not use;
+# launch/pretrain_ora.sh names the scheduler in ORA_RANKS_FROM (with MASTER_ADDR and MASTER_PORT).
+SCHEDULER_RANK_VARIABLES = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check-only", action="store_true",
                         help="validate the config for --world-size processes and exit (launch/ scripts)")
     parser.add_argument("--world-size", type=int, help="process count to validate against (with --check-only)")
+    parser.add_argument("--print-run-dir", action="store_true",
+                        help="with --check-only: print only the run dir on stdout, the report on stderr")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     parser.add_argument("--resume-checked", action="store_true", help=argparse.SUPPRESS)  # set by _launch_local
     return parser.parse_args(argv)
@@ -126,9 +136,25 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     return code
 
 
+def adopt_scheduler_ranks(environ=os.environ) -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK from the scheduler named by ORA_RANKS_FROM, unless already set."""
+    scheduler = environ.get("ORA_RANKS_FROM")
+    if scheduler is None or "WORLD_SIZE" in environ:
+        return
+    if scheduler not in SCHEDULER_RANK_VARIABLES:
+        raise ConfigError("ORA_RANKS_FROM", f"expected one of {list(SCHEDULER_RANK_VARIABLES)}, got {scheduler!r}")
+    names = SCHEDULER_RANK_VARIABLES[scheduler]
+    missing = [name for name in names if name not in environ]
+    if missing:
+        raise ConfigError("ORA_RANKS_FROM", f"{scheduler} ranks need {', '.join(missing)} in the environment")
+    rank, size, local_rank = (environ[name] for name in names)
+    environ.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local_rank)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        adopt_scheduler_ranks()
         cfg = load_run_config(args.config, args.set)
         under_launcher = "WORLD_SIZE" in os.environ
         world_size = int(os.environ["WORLD_SIZE"]) if under_launcher else args.world_size or args.nproc_per_node
@@ -165,7 +191,10 @@ def main(argv=None) -> int:
         resume_from = plan.tag
     if args.check_only:
         resumes = f", resumes from {resume_from}" if resume_from else ""
-        print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}{resumes}")
+        print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}{resumes}",
+              file=sys.stderr if args.print_run_dir else sys.stdout)
+        if args.print_run_dir:
+            print(run_dir)
         return 0
     if not under_launcher and world_size > 1:
         return _launch_local(args, world_size, run_dir)
