@@ -1,5 +1,6 @@
 # The two README commands: `make demo` (set up + main job on the embedded default) and `make test`.
-# .ci/run and docker/Dockerfile install through the same `install` target.
+# .ci/run installs through the `install` target. docker/Dockerfile installs the same pins, read from
+# pyproject.toml, into NVIDIA's PyTorch image but keeps that image's CUDA torch instead of torch==<pin>.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -27,14 +28,8 @@ lint: install
 test-fast: install
 	$(PY) -m pytest -q -m "not distributed and not slow"
 
-# Embedded default: this Python's stdlib as a SlimPajama-format corpus (no download) → sentencepiece
-# → megatron-core shards → 2-process tiny ORA pretraining. Rerunning resumes every stage.
-DEMO := runs/demo
+# Embedded default, the whole flow (pretrain/quickstart.py): this Python's stdlib as a SlimPajama-format
+# corpus (no download) → sentencepiece → megatron-core shards → the tiny ORA run on 2 processes through
+# launch/pretrain_ora.sh → test evaluation → verified Hugging Face export → a sample. Reruns skip or resume.
 demo: install
-	$(PY) -m data_tools.sample_corpus --output-dir $(DEMO)/corpus
-	$(PY) -m data_tools.train_tokenizer --input $(DEMO)/corpus --model-prefix $(DEMO)/tokenizer/sp \
-		--vocab-size 2048
-	$(PY) -m data_tools.build_shards --input $(DEMO)/corpus --tokenizer $(DEMO)/tokenizer/sp.model \
-		--output-dir $(DEMO)/shards --split train=0.98,valid=0.01,test=0.01 --workers 2
-	$(PY) pretrain/pretrain_ora.py --config pretrain/configs/tiny.yaml --nproc-per-node 2 \
-		--run-dir $(DEMO)/run
+	$(PY) -m pretrain.quickstart --out runs/demo
