@@ -97,6 +97,8 @@ def versions() -> dict:
         rev, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
     except OSError:
         rev, dirty = "", False
+    if not rev:  # the Docker image has no .git; its build records the revision (docker/Dockerfile)
+        rev = os.environ.get("ORA_GIT_REVISION", "")
     return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "megatron_core": package_info.__version__, "git_revision": rev, "git_dirty": dirty,
             "cuda": torch.version.cuda, "hostname": platform.node()}
@@ -120,6 +122,13 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
         print(f"run dir: {run_dir.path} (resumed at step {trainer.state.step})", file=sys.stderr)
     elif rank == 0:
         print(f"run dir: {run_dir.path}", file=sys.stderr)
+    if trainer.state.step >= cfg.train.steps and run_dir.summary.exists():
+        # The command of a finished run, again: every rank resumed the same final step; keep the
+        # run's summary rather than replacing it with a zero-step one.
+        if rank == 0:
+            print(f"run dir {run_dir.path}: finished at step {trainer.state.step}, nothing to train", file=sys.stderr)
+        destroy_distributed()
+        return 0
     code = 0
     try:
         summary = trainer.train()

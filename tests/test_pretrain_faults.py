@@ -56,6 +56,10 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     assert summary(interrupted).final_test_loss == summary(reference).final_test_loss
     assert RunDir(interrupted).checkpoint_tags() == ["step00000035", "step00000040"], "keep_last=2 prunes the rest"
 
+    finished = RunDir(reference).summary.read_text()
+    run(config, reference, overrides, nproc=2)  # a finished run's command again trains nothing
+    assert RunDir(reference).summary.read_text() == finished, "the finished run's summary is kept"
+
 
 def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     config = write_config(tmp_path)
