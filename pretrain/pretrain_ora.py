@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="spawn this many local workers with torchrun (ignored under a launcher)")
     parser.add_argument("--check-only", action="store_true",
-                        help="validate the config for --world-size processes and exit (launch/ scripts)")
+                        help="validate the config for --world-size processes and exit (launch/pretrain_ora.sh)")
     parser.add_argument("--world-size", type=int, help="process count to validate against (with --check-only)")
     parser.add_argument("--print-run-dir", action="store_true",
                         help="with --check-only: print only the run dir on stdout, the report on stderr")
