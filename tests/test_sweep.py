@@ -1,0 +1,273 @@
+"""pretrain/sweep.py: expansion and validation of specs (the shipped ones included), the dry run and
+the emitted commands and SLURM script, and real tiny sweeps: records, finished and failed runs
+skipped, an interrupted sweep resumed from its checkpoint, a SLURM task through the launch script."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pretrain_runs import ENTRY, REPO, env, write_config
+
+from pretrain import sweep
+from pretrain.run_dir import RunDir
+
+EXPERIMENTS = REPO / "pretrain" / "experiments"
+SHELLCHECK = Path(sys.executable).parent / "shellcheck"
+
+# The arms each shipped spec must have (issue 10), in order, and its reference arm.
+SHIPPED = {
+    "core": (["vanilla", "ora", "frozen_gaussian"], "vanilla"),
+    "baselines": (["vanilla", "ora", "synthesizer_random", "synthesizer_random_fixed", "synthesizer_factorized",
+                   "fixed_random_attention", "partial_frozen"], "vanilla"),
+    "a1": (["orthogonal", "gaussian", "uniform"], "orthogonal"),
+    "a2": (["both_frozen", "q_trainable", "k_trainable", "both_trainable", "vanilla"], "both_frozen"),
+    "a3": (["heads2", "heads4", "heads8", "heads16"], "heads8"),
+    "a4": (["width_0.5x", "width_1x", "width_1.5x", "width_2x"], "width_1x"),
+    "a5": (["seq_0.25x", "seq_1x", "seq_2x", "seq_4x"], "seq_1x"),
+    "a6": (["layers4", "layers8", "layers12", "layers24"], "layers4"),
+    "a7": (["qr", "svd", "householder", "cayley", "hadamard"], "qr"),
+}
+
+# Overrides of tests/pretrain_runs.py's tiny mock-data run for a sweep that finishes in seconds.
+QUICK = {"train.steps": 4, "train.eval_interval": 2, "checkpoint.save_interval": 2}
+# A run that fails at run time (exit 3): every step's loss is non-finite, two in a row stop it.
+BROKEN = {"train.inject_nonfinite_loss_steps": [1, 2], "train.max_consecutive_skips": 2}
+
+
+def write_spec(directory: Path, arms: dict, seeds=(1,), scale_set=None, processes: int = 1) -> Path:
+    write_config(directory)
+    spec = {"config": "run.yaml", "description": "test sweep", "reference": next(iter(arms)), "seeds": list(seeds),
+            "scales": {"cpu": {"processes_per_node": processes, "set": scale_set or QUICK}}, "arms": arms}
+    path = directory / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def arm(attention: str, **extra) -> dict:
+    return {"description": f"{attention} attention", "set": {"model.attention.type": attention, **extra}}
+
+
+def sweep_args(spec: Path, out: Path, *extra: str) -> list[str]:
+    return ["--spec", str(spec), "--out", str(out), *extra]
+
+
+# ---------------------------------------------------------------------- expansion and validation
+
+
+def test_expansion_is_seeds_times_arms_with_every_override_applied(tmp_path):
+    arms = {"a": arm("vanilla"),
+            "b": {**arm("ora"), "scales": {"cpu": {"model.hidden_size": 32}}},
+            "c": arm("ora", **{"train.steps": 5})}
+    spec = sweep.load_spec(write_spec(tmp_path, arms, seeds=(7, 8)))
+    runs = sweep.expand(spec, "cpu", None, ["train.eval_iters=3"], tmp_path / "out")
+
+    assert [(r.arm, r.seed) for r in runs] == [("a", 7), ("b", 7), ("c", 7), ("a", 8), ("b", 8), ("c", 8)]
+    assert [r.run_dir.path for r in runs[:2]] == [tmp_path / "out" / "a" / "seed7", tmp_path / "out" / "b" / "seed7"]
+    assert runs[1].experiment_id == "spec/b/seed7"
+    for run in runs:
+        assert (run.cfg.model.seed, run.cfg.data.seed) == (run.seed, run.seed)
+        assert run.cfg.train.eval_iters == 3  # --set reaches every run
+        assert run.cfg.checkpoint.save_interval == 2  # the scale's set
+    assert [r.cfg.model.attention.type for r in runs[:3]] == ["vanilla", "ora", "ora"]
+    assert [r.cfg.model.hidden_size for r in runs[:3]] == [64, 32, 64]  # b's own override at this scale
+    assert [r.cfg.train.steps for r in runs[:3]] == [4, 4, 5]  # the arm's set over the scale's
+    assert [r.seed for r in sweep.expand(spec, "cpu", [5], [], tmp_path / "out")] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("bad_arm, processes, extra, expected", [
+    ({"set": {"model.num_attention_heads": 3}}, 1, [], ["arm 'bad'", "model.num_attention_heads"]),
+    ({"set": {"model.no_such_key": 1}}, 1, [], ["arm 'bad'", "model.no_such_key"]),
+    ({"set": {"train.micro_batch_size": 8}}, 2, [], ["arm 'bad'", "2 processes", "train.global_batch_size"]),
+    ({"set": {}}, 1, ["--set", "model.seed=3"], ["model.seed", "--seeds"]),
+])
+def test_invalid_run_exits_2_naming_spec_arm_and_key_and_starts_nothing(tmp_path, capsys, bad_arm, processes,
+                                                                       extra, expected):
+    spec = write_spec(tmp_path, {"good": arm("ora"), "bad": bad_arm}, processes=processes)
+    out = tmp_path / "out"
+    assert sweep.main(sweep_args(spec, out, *extra)) == 2
+    err = capsys.readouterr().err
+    assert all(text in err for text in expected), err
+    assert "spec.yaml" in err or "--set" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"reference": "nope"}, "reference"),
+    ({"armz": {}}, "armz"),
+    ({"arms": {"a b": arm("ora")}, "reference": "a b"}, "arms.a b"),
+    ({"arms": {"a": {**arm("ora"), "scales": {"gpu": {}}}}, "reference": "a"}, "arms.a.scales"),
+])
+def test_invalid_spec_exits_2_naming_the_key(tmp_path, capsys, change, key):
+    path = write_spec(tmp_path, {"a": arm("ora")})
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **change}))
+    assert sweep.main(sweep_args(path, tmp_path / "out")) == 2
+    assert f"spec.yaml: config error at '{key}'" in capsys.readouterr().err
+
+
+def test_every_shipped_spec_is_tested():
+    assert {p.stem for p in EXPERIMENTS.glob("*.yaml")} == set(SHIPPED) | {"common"}
+
+
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
+    spec = sweep.load_spec(EXPERIMENTS / f"{name}.yaml")
+    runs = sweep.expand(spec, scale, None, [], tmp_path)
+    arms, reference = SHIPPED[name]
+
+    assert spec.body.reference == reference
+    assert spec.body.seeds == sweep.DESIGN_SEEDS
+    assert [(r.arm, r.seed) for r in runs] == [(a, s) for s in sweep.DESIGN_SEEDS for a in arms]
+    first_seed = runs[:len(arms)]
+    assert len({sweep.config_hash(r.cfg) for r in first_seed}) == len(arms), "two arms resolve to the same config"
+    assert all(r.run_dir.read_experiment() is None for r in runs)  # expanding writes nothing
+    if scale == "paper":  # the research plan's protocol: Small preset, global batch 128, 100k steps, 8 GPUs
+        assert {r.scale.processes_per_node for r in runs} == {8}
+        assert {(r.cfg.train.global_batch_size, r.cfg.train.steps) for r in runs} == {(128, 100_000)}
+        assert {r.cfg.model.hidden_size for r in runs} == ({256, 512, 768, 1024} if name == "a4" else {512})
+    else:  # the nanoGPT shakespeare_char recipe
+        assert {r.scale.processes_per_node for r in runs} == {1}
+        assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size) for r in runs} == {(12, 68)}
+
+
+def test_dry_run_and_emitted_commands(tmp_path, capsys):
+    spec = write_spec(tmp_path, {"a": arm("vanilla"), "b": arm("ora")}, seeds=(7, 8))
+    out = tmp_path / "out"
+    assert sweep.main(sweep_args(spec, out, "--dry-run")) == 0
+    assert capsys.readouterr().out.splitlines() == [f"spec/{a}/seed{s}: pending -> start"
+                                                    for s in (7, 8) for a in ("a", "b")]
+    assert not out.exists()
+
+    assert sweep.main(sweep_args(spec, out, "--emit", "commands", "--set", "logging.wandb_project=it's x")) == 0
+    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(commands) == 4
+    first = commands[0]
+    assert first[:2] == [sys.executable, str(ENTRY)]
+    assert first[first.index("--run-dir") + 1] == str(out / "a" / "seed7")
+    sets = [first[i + 1] for i, arg in enumerate(first) if arg == "--set"]
+    assert sets[-4:] == ["model.attention.type=vanilla", "logging.wandb_project=it's x", "model.seed=7", "data.seed=7"]
+    assert not out.exists()
+
+
+def test_emitted_slurm_script_passes_shellcheck_and_keeps_every_argument(tmp_path, capsys):
+    spec = write_spec(tmp_path, {"a": arm("vanilla"), "b": arm("ora")}, seeds=(7, 8))
+    out = tmp_path / "out dir"
+    tricky = 'logging.wandb_project=it\'s "q" $(touch PWNED)'
+    assert sweep.main(sweep_args(spec, out, "--emit", "slurm", "--seeds", "7,8", "--set", tricky)) == 0
+    script = out / "sweep.sbatch"
+    assert str(script) in capsys.readouterr().out
+    text = script.read_text()
+    assert "#SBATCH --array=0-3" in text and "#SBATCH --gpus-per-node=1" in text
+
+    lint = subprocess.run([str(SHELLCHECK), str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    # The array holds exactly the arguments the task passes on: nothing re-parsed, nothing run.
+    declaration = text[text.index("sweep_args=("):text.index("\n)\n") + 2]
+    echoed = subprocess.run(["bash", "-c", f'{declaration}\nprintf "%s\\n" "${{sweep_args[@]}}"'], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert echoed == ["--spec", str(spec), "--out", str(out), "--scale", "cpu", "--seeds", "7,8", "--set", tricky]
+    assert not (tmp_path / "PWNED").exists()
+
+
+# ---------------------------------------------------------------------- real tiny sweeps
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def log_sizes(out: Path) -> dict:
+    return {str(p): p.stat().st_size for p in out.rglob(sweep.LOG_NAME)}
+
+
+@pytest.mark.distributed
+def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, one_thread):
+    spec, out = write_spec(tmp_path, {"ora": arm("ora"), "broken": arm("ora", **BROKEN)}), tmp_path / "out"
+
+    assert sweep.main(sweep_args(spec, out, "--jobs", "2")) == 1  # one run failed
+    table = capsys.readouterr().out
+    assert "failed (3)" in table and "finished" in table
+
+    run_dir = RunDir(out / "ora" / "seed1")
+    record, summary = run_dir.read_experiment(), run_dir.read_summary()
+    resolved = yaml.safe_load(run_dir.config.read_text())
+    assert (record.experiment_id, record.method, record.seed) == ("spec/ora/seed1", "ora", 1)
+    assert (record.status, record.exit_code, record.notes) == ("finished", 0, "ora attention")
+    assert record.results["final_val_loss"] == summary.final_valid_loss
+    assert record.results["final_val_ppl"] == pytest.approx(math.exp(summary.final_valid_loss))
+    assert record.results["final_train_loss"] == summary.final_train_loss
+    assert record.results["training_time_hours"] == pytest.approx(summary.wall_time_s / 3600)
+    assert record.model_config == resolved.pop("model") and record.training_config == resolved
+    assert record.config_hash == sweep.config_hash(run_dir.read_config())  # the config the run used
+    assert record.start_time and record.log_tail == ""
+    failed = RunDir(out / "broken" / "seed1").read_experiment()
+    assert (failed.status, failed.exit_code) == ("failed", 3)
+    assert "consecutive steps had non-finite loss" in failed.log_tail
+
+    # As if the sweep had been killed (SIGKILL) while ora's run went on alone and completed.
+    run_dir.write_experiment(dataclasses.replace(record, status="running", results={}, exit_code=None))
+    before = log_sizes(out)
+    assert sweep.main(sweep_args(spec, out)) == 1
+    output = capsys.readouterr().out
+    assert "spec/ora/seed1: completed after its sweep was gone" in output and "nothing to start" in output
+    assert log_sizes(out) == before
+    assert run_dir.read_experiment() == dataclasses.replace(record, exit_code=None)  # finished, exit code unknown
+    assert sweep.main(sweep_args(spec, out, "--dry-run", "--retry-failed")) == 0
+    assert "spec/broken/seed1: failed -> retry" in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.distributed
+def test_interrupted_sweep_resumes_its_run_from_the_checkpoint(tmp_path, one_thread):
+    steps = 30  # with a save every 3 steps, about a second of training left when the first checkpoint appears
+    spec = write_spec(tmp_path, {"ora": arm("ora")}, scale_set={
+        "train.steps": steps, "train.eval_interval": steps, "checkpoint.save_interval": 3})
+    out = tmp_path / "out"
+    run_dir = RunDir(out / "ora" / "seed1")
+    process = subprocess.Popen([sys.executable, "-m", "pretrain.sweep", *sweep_args(spec, out)], cwd=REPO,
+                               env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while run_dir.latest_checkpoint() is None and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "interrupted spec/ora/seed1" in output
+    stopped = run_dir.read_summary()
+    assert stopped.preempted and stopped.steps < steps
+    assert run_dir.read_experiment().status == "running"
+
+    assert sweep.main(sweep_args(spec, out)) == 0
+    assert [entry["step"] for entry in run_dir.read_resume_log()] == [stopped.steps]  # resumed, not restarted
+    summary = run_dir.read_summary()
+    assert (summary.steps, summary.preempted) == (steps, False)
+    assert run_dir.read_experiment().status == "finished"
+
+
+@pytest.mark.distributed
+def test_slurm_task_runs_its_run_through_the_launch_script(tmp_path, monkeypatch, capsys, one_thread):
+    spec, out = write_spec(tmp_path, {"a": arm("vanilla"), "b": arm("ora")}), tmp_path / "out"
+    # Stands in for launch/pretrain_ora.sh: the same interface (CONFIG --set ..., RUN_DIR in the environment).
+    launcher = tmp_path / "pretrain_ora.sh"
+    launcher.write_text(f'#!/usr/bin/env bash\necho "nodes=$NNODES gpus=$GPUS_PER_NODE"\n'
+                        f'exec {shlex.quote(sys.executable)} {shlex.quote(str(ENTRY))} --config "$1" '
+                        f'--run-dir "$RUN_DIR" "${{@:2}}"\n')
+    launcher.chmod(0o755)
+    monkeypatch.setattr(sweep, "LAUNCH_SCRIPT", launcher)
+
+    assert sweep.main(sweep_args(spec, out, "--task", "1")) == 0
+    run_dir = RunDir(out / "b" / "seed1")
+    assert run_dir.read_experiment().status == "finished"
+    assert "nodes=1 gpus=1" in (run_dir.path / sweep.LOG_NAME).read_text()
+    assert not (out / "a").exists()
+    assert sweep.main(sweep_args(spec, out, "--task", "1")) == 0
+    assert "spec/b/seed1: finished, nothing to do" in capsys.readouterr().out
