@@ -7,6 +7,9 @@
   the A2 flags train them; V is an ordinary trainable projection. One fused GEMM forward (same cost
   as megatron's ColumnParallelLinear); the backward computes the input gradient through Q, K and V
   but weight gradients only for trainable parts, so frozen Q/K cost no weight-gradient GEMM.
+  Frozen Hadamard Q/K (ora, orthogonal_method=hadamard) skip their GEMMs altogether: they are
+  applied as two small Kronecker contractions (orthogonal.HadamardRows), forward and input
+  gradient, and written straight into megatron's interleaved layout beside V's GEMM.
 - `RandomQKSelfAttention`: megatron's SelfAttention, telling its linear_qkv which layer it is in.
 - `SynthesizerAttention`: softmax(R)·V with R per head (N×N, or R1·R2ᵀ of rank k), causal; covers
   synthesizer_random (trainable or fixed R), synthesizer_factorized and fixed_random_attention.
@@ -34,6 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ora_megatron.model_config import FROZEN_QK_INIT, AttentionConfig
 from ora_megatron.orthogonal import (
+    HadamardRows,
     frozen_projection,
     hadamard_transform_for,
     orthogonal_matrix,
@@ -121,6 +125,54 @@ def _interleave(q_weight, k_weight, v_weight, groups: int) -> torch.Tensor:
     return torch.cat(parts, dim=1).view(-1, h)
 
 
+class _HadamardQKV(torch.autograd.Function):
+    """Frozen Hadamard Q and K plus a V GEMM, written into megatron's interleaved layout.
+
+    Forward: the rows of [x·D_q·H | x·D_k·H] (HadamardRows, two small contractions), then one
+    gather writes each group's Q and K columns (their permutations and this rank's heads are in
+    `qk_block`/`qk_offset`) straight into the output; V's GEMM result is copied beside them.
+    Backward: one gather pulls the Q/K slots of the output gradient back into row order
+    (`row_index`; `row_mask` zeroes the positions no column of this rank came from), the
+    transposed contractions give their input gradient, and V adds dX += dV·W_V plus its weight and
+    bias gradients. Q/K have no weights here: nothing to differentiate.
+    """
+
+    @staticmethod
+    def forward(ctx, x, v_weight, v_bias, kernel: HadamardRows, qk_block, qk_offset, row_index, row_mask):
+        x2d = x.reshape(-1, x.size(-1))
+        t = x2d.size(0)
+        groups, qk_width = qk_block.shape
+        out = x.new_empty(t, groups, qk_width + v_weight.size(0) // groups)
+        kernel.take(kernel.rows(x2d).to(x.dtype), qk_block, qk_offset, out=out[:, :, :qk_width])
+        out[:, :, qk_width:] = F.linear(x2d, v_weight, v_bias).view(t, groups, -1)
+        ctx.kernel, ctx.x_shape, ctx.layout = kernel, x.shape, (groups, qk_width)
+        ctx.save_for_backward(x2d, v_weight, row_index, row_mask)
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, v_weight, row_index, row_mask = ctx.saved_tensors
+        kernel, (groups, qk_width) = ctx.kernel, ctx.layout
+        t = x2d.size(0)
+        g = grad_out.reshape(t, -1).contiguous()
+        grad_v = g.view(t, groups, -1)[:, :, qk_width:].reshape(t, -1)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            # Token-major: each token's gradient row is read once (a block-major gather re-reads it a times).
+            grad_rows = torch.gather(g.view(t, 1, -1).expand(t, kernel.a, -1), 2, row_index.expand(t, -1, -1))
+            if row_mask is not None:
+                grad_rows.mul_(row_mask)
+            grad_x = kernel.rows_transposed(grad_rows.view(t, -1)).to(x2d.dtype)
+            # out= rather than addmm_: the same BLAS call, and FlopCounterMode counts it.
+            grad_x = torch.addmm(grad_x, grad_v, v_weight, out=grad_x).view(ctx.x_shape)
+        if need_w:
+            grad_w = grad_v.t().matmul(x2d)
+        if need_b:
+            grad_b = grad_v.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
 class RandomQKVLinear(torch.nn.Module):
     """linear_qkv for random-Q/K variants; same call contract as megatron's ColumnParallelLinear.
 
@@ -151,7 +203,8 @@ class RandomQKVLinear(torch.nn.Module):
         self.q_weight = torch.nn.Parameter(torch.empty(self.heads * self.head_dim, d), requires_grad=False)
         self.k_weight = torch.nn.Parameter(torch.empty(self.groups * self.head_dim, d), requires_grad=False)
         _mark_head_sharded(self.q_weight, self.k_weight, self.v_bias)
-        self.q_transform = self.k_transform = None
+        self.hadamard = None  # HadamardRows of Q and K, set by generate_qk for ora/hadamard
+        self._hadamard_weights_checked = False
 
     @property
     def uses_hadamard_runtime(self) -> bool:
@@ -165,9 +218,43 @@ class RandomQKVLinear(torch.nn.Module):
             with torch.no_grad():
                 param.copy_(self.local_weight(role))
             param.requires_grad_(trainable)
-            if self.uses_hadamard_runtime and not trainable:
-                transform = hadamard_transform_for(self.seed, layer_number, role, self.config.hidden_size)
-                setattr(self, f"{role}_transform", transform)
+        if self.uses_hadamard_runtime:
+            self._build_hadamard(layer_number)
+
+    def _build_hadamard(self, layer_number: int) -> None:
+        """The Q and K transforms of this layer and where this rank's columns sit in their rows.
+
+        Built whatever the trainability: a freeze schedule may freeze Q/K later (forward decides).
+        Under tensor parallelism every rank applies the whole (cheap) transform and gathers only
+        its own heads' columns, rows [rank·width, (rank + 1)·width) of the dense weight.
+        """
+        d, hd = self.config.hidden_size, self.head_dim
+        transforms = [hadamard_transform_for(self.seed, layer_number, role, d) for role in ("q", "k")]
+        kernel = HadamardRows([t.signs for t in transforms])
+        rank, _ = _tp_rank_size(self.tp_group)
+        blocks, offsets = [], []
+        for role, (transform, width) in enumerate(zip(transforms, (self.heads * hd, self.groups * hd))):
+            columns = torch.arange(rank * width, (rank + 1) * width)
+            block, offset = kernel.position(role, transform.perm[columns])
+            blocks.append(block.view(self.groups, -1))
+            offsets.append(offset.view(self.groups, -1))
+        # [groups, q rows of a group + k rows], megatron's order
+        qk_block, qk_offset = torch.cat(blocks, dim=1), torch.cat(offsets, dim=1)
+        # Inverse map for the backward: token-major row position -> offset of its column in an output row.
+        positions = (qk_block * kernel.width + qk_offset).reshape(-1)
+        out_width = qk_block.size(1) + hd
+        row_index = torch.zeros(kernel.a * kernel.width, dtype=torch.long)
+        row_mask = torch.zeros(row_index.numel())
+        row_index[positions] = (torch.arange(self.groups)[:, None] * out_width
+                                + torch.arange(qk_block.size(1))).reshape(-1)
+        row_mask[positions] = 1.0
+        self.hadamard = kernel
+        # Non-persistent: regenerated from the seed like the transforms, moved with the module.
+        self.register_buffer("qk_block", qk_block, persistent=False)
+        self.register_buffer("qk_offset", qk_offset, persistent=False)
+        self.register_buffer("row_index", row_index.view(1, kernel.a, -1), persistent=False)
+        self.register_buffer("row_mask", None if bool(row_mask.all()) else row_mask.view(kernel.a, -1),
+                             persistent=False)
 
     def local_weight(self, role: str) -> torch.Tensor:
         """This rank's heads of the regenerated Q or K weight of this layer."""
@@ -187,28 +274,31 @@ class RandomQKVLinear(torch.nn.Module):
 
     def forward(self, x):
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-        if self.q_transform is not None or self.k_transform is not None:
-            out = self._forward_hadamard(x)
+        if self._hadamard_applies():
+            out = _HadamardQKV.apply(x, self.v_weight, self.v_bias, self.hadamard, self.qk_block,
+                                     self.qk_offset, self.row_index, self.row_mask)
         else:
             out = _FusedQKV.apply(x, self.q_weight, self.k_weight, self.v_weight, self.v_bias, self.groups)
         return out, None
 
-    def _forward_hadamard(self, x):
-        """Frozen Hadamard Q/K in O(d log d) per token; V by GEMM; assembled in megatron's layout."""
-        rank, _ = _tp_rank_size(self.tp_group)
+    def _hadamard_applies(self) -> bool:
+        """Whether Q and K are frozen Hadamard weights that the fast transforms reproduce.
 
-        def project(role, param):
-            transform = getattr(self, f"{role}_transform")
-            if transform is None:
-                return F.linear(x, param)
-            cols = param.size(0)
-            return transform(x)[..., rank * cols:(rank + 1) * cols]
-
-        q, k = project("q", self.q_weight), project("k", self.k_weight)
-        v = F.linear(x, self.v_weight, self.v_bias)
-        lead = x.shape[:-1]
-        parts = [t.reshape(*lead, self.groups, -1) for t in (q, k, v)]
-        return torch.cat(parts, dim=-1).reshape(*lead, -1)
+        A freeze schedule can train them (then the weights are the model, and the dense path takes
+        their gradients) and could freeze them again at trained values: the first forward of every
+        frozen spell checks the weights against the regenerated ones once.
+        """
+        if self.hadamard is None:
+            return False
+        if self.q_weight.requires_grad or self.k_weight.requires_grad:
+            self._hadamard_weights_checked = False
+            return False
+        if not self._hadamard_weights_checked:
+            self._hadamard_weights_match = all(
+                torch.equal(w, self.local_weight(role).to(w.device, w.dtype))
+                for role, w in (("q", self.q_weight), ("k", self.k_weight)))
+            self._hadamard_weights_checked = True
+        return self._hadamard_weights_match
 
 
 class RandomQKSelfAttention(SelfAttention):

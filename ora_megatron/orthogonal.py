@@ -5,7 +5,8 @@ generator, so build, checkpoint load and export regenerate the same bits, and ea
 rank slices its heads out of the same full matrix whatever the parallel sizes are.
 
 Dense methods draw in float64 and round once to fp32; the rounding also hides last-bit differences
-between LAPACK builds. The Hadamard method is a structured transform applied in O(d log d).
+between LAPACK builds. The Hadamard method is a structured transform applied in O(d·(a + b)),
+d = a·b (two small Kronecker factors) instead of a d×d GEMM.
 """
 
 from __future__ import annotations
@@ -180,49 +181,140 @@ def hadamard_matrix(order: int) -> torch.Tensor:
     return torch.kron(_base_hadamard(base), _sylvester(power))
 
 
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized fast Walsh–Hadamard transform of the last dim: x @ sylvester(n), O(n log n)."""
-    n = x.size(-1)
-    if not _is_power_of_two(n):
-        raise ValueError(f"fwht needs a power-of-two length, got {n}")
-    lead = x.shape[:-1]
-    y = x
-    half = 1
-    while half < n:
-        y = y.reshape(*lead, n // (2 * half), 2, half)
-        top, bottom = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((top + bottom, top - bottom), dim=-2)
-        half *= 2
-    return y.reshape(*lead, n)
+def kronecker_split(order: int) -> tuple[int, int]:
+    """(a, b) with hadamard_matrix(order) == kron(kronecker_factors(order)): a = base·2^p, b = 2^q.
+
+    Of the splits, the one with the smallest a + b (the contractions cost 2(a + b) FLOPs per
+    element instead of a dense GEMM's 2·order), the smaller a on a tie.
+    """
+    base, power = hadamard_factorization(order)
+    splits = [(base << p, power >> p) for p in range(power.bit_length())]
+    return min(splits, key=lambda split: (split[0] + split[1], split[0]))
+
+
+def kronecker_factors(order: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B), exact ±1 fp32, with kron(A, B) == hadamard_matrix(order): A = kron(H_base, H_2^p), B = H_2^q.
+
+    Sylvester matrices compose, kron(H_2^p, H_2^q) = H_2^(p+q), so this is the same matrix.
+    """
+    base, _ = hadamard_factorization(order)
+    a, b = kronecker_split(order)
+    return torch.kron(_base_hadamard(base), _sylvester(a // base)), _sylvester(b)
+
+
+class HadamardRows(torch.nn.Module):
+    """R randomized Hadamard transforms of one order d, applied to the same input together.
+
+    Transform r is x -> x·diag(s_r)·H/√d with H = kron(A, B) (`kronecker_factors`). On x viewed as
+    [T, a, b] that is a contraction of the last axis with diag(s_r[k·b:(k+1)·b])·B, a different
+    matrix for every k, so the signs cost nothing, then a contraction of the middle axis with
+    A/√d, shared by all R transforms: 2·(R·b + R·a) FLOPs per input element instead of R dense
+    GEMMs' 2·R·d.
+
+    Both contractions are single BLAS calls on contiguous operands (a batched GEMM over k, then one
+    GEMM), so the result comes block-major: `rows(x)` is [a, T, R·b], where [i, t, r·b + j] holds
+    column i·b + j of transform r for token t, before its column permutation. (A token-major
+    layout needs a batched GEMM writing a strided output, which torch runs as one BLAS call per
+    batch: fine on one thread, many times slower with several under load.) Callers pick the
+    columns they need with `take`; `rows_transposed` is the adjoint, the input gradient, from a
+    token-major gradient. Neither records autograd: callers wrap them in an autograd.Function.
+    The ±1 factors are exact in every dtype (bf16/fp16 casts of the module change nothing); the
+    arithmetic runs in fp32 or wider, as a GEMM would accumulate.
+    """
+
+    def __init__(self, signs: list[torch.Tensor]):
+        super().__init__()
+        d = signs[0].numel()
+        self.d, self.roles = d, len(signs)
+        self.a, self.b = kronecker_split(d)
+        self.width = self.roles * self.b  # of one token's row in one block
+        outer, inner = kronecker_factors(d)
+        # first[k, l, r·b + j] = s_r[k·b + l] · B[l, j]
+        first = torch.cat([s.float().view(self.a, self.b, 1) * inner for s in signs], dim=2)
+        self.register_buffer("first", first, persistent=False)
+        self.register_buffer("outer", outer, persistent=False)
+        # Every entry of the product is ±scale: with scale = fp32(1/√d) these are exactly the
+        # entries of the dense fp32 matrix (`RandomizedHadamard.dense`), in any compute dtype.
+        self.scale = torch.tensor(1 / math.sqrt(d), dtype=torch.float32).item()
+
+    def position(self, role: int, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block i, offset r·b + j) of column c = i·b + j of transform `role` (before any permutation).
+
+        In a token-major [T, a·R·b] layout the column sits at i·R·b + r·b + j (`block * width + offset`).
+        """
+        return columns // self.b, role * self.b + columns % self.b
+
+    def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first.to(dtype), self.outer.to(dtype) * self.scale
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, d] -> [a, T, R·b] (block-major), computed in promote(x.dtype, fp32)."""
+        first, outer = self._factors(torch.promote_types(x.dtype, torch.float32))
+        t = x.size(0)
+        z = torch.bmm(x.to(first.dtype).view(t, self.a, self.b).transpose(0, 1), first)  # [k, t, :]
+        return torch.mm(outer.t(), z.view(self.a, -1)).view(self.a, t, self.width)  # y[i] = sum_k A[k, i] z[k]
+
+    def take(self, rows: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, out=None) -> torch.Tensor:
+        """out[t, *n] = the column (block[n], offset[n]) of token t in `rows`: one gather.
+
+        The source is an overlapping strided view of `rows` (row t starts at t·R·b, the block adds
+        i·T·R·b through the index), so nothing is copied before the gather.
+        """
+        t = rows.size(1)
+        lead = block.shape[:-1]
+        source = rows.view(-1).as_strided((t, *lead, rows.numel() - (t - 1) * self.width),
+                                          (self.width, *(0 for _ in lead), 1))
+        index = (block * (t * self.width) + offset).expand(t, *block.shape)
+        return torch.gather(source, -1, index, out=out)
+
+    def rows_transposed(self, grad: torch.Tensor) -> torch.Tensor:
+        """The adjoint of `rows` from a token-major gradient: [T, a·R·b] -> [T, d], summed over the transforms."""
+        first, outer = self._factors(torch.promote_types(grad.dtype, torch.float32))
+        t = grad.size(0)
+        blocks = grad.to(first.dtype).view(t, self.a, self.width).transpose(0, 1).reshape(self.a, -1)
+        gz = torch.mm(outer, blocks).view(self.a, t, self.width)
+        gx = torch.bmm(gz, first.transpose(1, 2))  # [k, t, l]
+        return gx.transpose(0, 1).reshape(t, self.d)
+
+
+class _HadamardColumns(torch.autograd.Function):
+    """out[:, n] = column (block[n], offset[n]) of rows(x), and its input gradient (the general,
+    unfused use of HadamardRows)."""
+
+    @staticmethod
+    def forward(ctx, x, rows: HadamardRows, block, offset):
+        ctx.rows, ctx.dtype = rows, x.dtype
+        ctx.save_for_backward(block * rows.width + offset)  # the columns' token-major positions
+        return rows.take(rows.rows(x), block, offset).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        rows = ctx.rows
+        full = grad.new_zeros(grad.size(0), rows.a * rows.width).index_copy_(1, positions, grad)
+        return rows.rows_transposed(full).to(ctx.dtype), None, None, None
 
 
 class RandomizedHadamard(torch.nn.Module):
     """x -> x @ M[:, perm] with M = diag(signs) H_d / sqrt(d): an exactly orthogonal d x d map.
 
-    H_d = kron(H_base, H_{2^k}), so x @ H_d is an FWHT along the 2^k axis and a small dense matmul
-    along the base axis of x viewed as [..., base, 2^k]. signs and perm come from the generator and
-    are non-persistent: they are regenerated from the seed, never checkpointed.
+    Applied as two small contractions (HadamardRows, H_d = kron(A, B)) and a column gather, in
+    O(d·(a + b)) per row instead of a d x d GEMM; `dense()` is the same matrix. signs and perm come
+    from the generator and are non-persistent: they are regenerated from the seed, never checkpointed.
     """
 
     def __init__(self, d: int, generator: torch.Generator):
         super().__init__()
         self.d = d
-        self.base, self.power = hadamard_factorization(d)
+        hadamard_factorization(d)  # refuse unsupported orders before drawing
         signs = torch.randint(0, 2, (d,), generator=generator).float() * 2 - 1
         self.register_buffer("signs", signs, persistent=False)
         self.register_buffer("perm", torch.randperm(d, generator=generator), persistent=False)
-        self.register_buffer("base_matrix", _base_hadamard(self.base), persistent=False)
+        self.kernel = HadamardRows([signs])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Butterflies in bf16/fp16 round at every stage; a GEMM would accumulate in fp32, so do we.
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        lead = x.shape[:-1]
-        y = (x.to(dtype) * self.signs.to(dtype)).reshape(*lead, self.base, self.power)
-        y = fwht(y)
-        if self.base > 1:
-            y = self.base_matrix.to(dtype).mT @ y  # out[a, :] = sum_i H_base[i, a] * y[i, :]
-        y = y.reshape(*lead, self.d) / math.sqrt(self.d)
-        return y[..., self.perm].to(x.dtype)
+        block, offset = self.kernel.position(0, self.perm)
+        return _HadamardColumns.apply(x.reshape(-1, self.d), self.kernel, block, offset).view(x.shape)
 
     def dense(self) -> torch.Tensor:
         """M[:, perm] as fp32 [d, d] (scaled in float64, rounded once)."""

@@ -4,12 +4,14 @@ import torch
 from ora_megatron.orthogonal import (
     HADAMARD_BASE_ORDERS,
     METHODS,
+    HadamardRows,
     RandomizedHadamard,
     frozen_projection,
-    fwht,
     hadamard_factorization,
     hadamard_matrix,
     hadamard_transform_for,
+    kronecker_factors,
+    kronecker_split,
     matches_regenerated,
     orthogonal_matrix,
     seeded_generator,
@@ -109,26 +111,65 @@ def test_hadamard_factorization():
         assert base in HADAMARD_BASE_ORDERS and base * power == order
 
 
-@pytest.mark.parametrize("n", [1, 2, 8, 256])
-def test_fwht_matches_sylvester_matmul(n):
-    x = torch.randn(3, 5, n, dtype=torch.float64)
-    assert torch.allclose(fwht(x), x @ hadamard_matrix(n).double())
+# Orders with every base: powers of two, Paley I (12, 20, 28, 44) and II (36), and base * 2^k.
+FAST_ORDERS = [1, 2, 12, 20, 24, 28, 36, 44, 88, 512, 640, 768]
 
 
-def test_fwht_rejects_non_power_of_two():
-    with pytest.raises(ValueError, match="power-of-two"):
-        fwht(torch.randn(12))
+@pytest.mark.parametrize("order", [*FAST_ORDERS, 1024, 2304])
+def test_kronecker_factors_rebuild_the_hadamard_matrix(order):
+    a, b = kronecker_split(order)
+    outer, inner = kronecker_factors(order)
+    assert outer.shape == (a, a) and inner.shape == (b, b)
+    assert torch.equal(torch.kron(outer, inner), hadamard_matrix(order))
+    # The most balanced split: no other base * 2^p, 2^q split has a smaller a + b.
+    base, power = hadamard_factorization(order)
+    assert a + b == min((base << p) + (power >> p) for p in range(power.bit_length()))
 
 
-@pytest.mark.parametrize("d", [512, 768, 640])
-def test_randomized_hadamard_forward_matches_dense(d):
+def test_kronecker_split_examples():
+    assert kronecker_split(512) == (16, 32)
+    assert kronecker_split(768) == (24, 32)
+    assert kronecker_split(640) == (20, 32)
+    assert kronecker_split(44) == (44, 1)
+
+
+@pytest.mark.parametrize("d", FAST_ORDERS)
+def test_randomized_hadamard_forward_and_input_gradient_match_dense(d):
+    """The fast transform is the dense matrix: exactly its entries (float64 shows no rounding beyond
+    summation order), and in fp32 within GEMM-like rounding; the same for the input gradient."""
     transform = RandomizedHadamard(d, torch.Generator().manual_seed(d))
     dense = transform.dense()
     assert dense.shape == (d, d) and dense.dtype == torch.float32
     assert orthogonality_error(dense) <= 1e-5
-    x = torch.randn(2, 3, d)
-    assert torch.allclose(transform(x), x @ dense, atol=1e-5)
-    assert transform(x.bfloat16()).dtype == torch.bfloat16
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        x = torch.randn(2, 3, d, dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(2, 3, d, dtype=dtype)
+        y = transform(x)
+        (grad_x,) = torch.autograd.grad(y, x, grad_out)
+        assert y.dtype == dtype
+        assert (y - x @ dense.to(dtype)).abs().max() <= tolerance
+        assert (grad_x - grad_out @ dense.to(dtype).T).abs().max() <= tolerance
+    assert transform(torch.randn(4, d).bfloat16()).dtype == torch.bfloat16
+
+
+def test_hadamard_rows_stack_transforms_and_their_adjoint():
+    """Two transforms in one pass: each column sits at `position`; rows_transposed is the adjoint."""
+    d, t = 24, 5
+    generator = torch.Generator().manual_seed(0)
+    signs = [torch.randint(0, 2, (d,), generator=generator).double() * 2 - 1 for _ in range(2)]
+    kernel = HadamardRows(signs)
+    x = torch.randn(t, d, dtype=torch.float64)
+    rows = kernel.rows(x)
+    assert rows.shape == (kernel.a, t, 2 * kernel.b)
+    token_major = rows.transpose(0, 1).reshape(t, -1)
+    scale = torch.tensor(d ** -0.5, dtype=torch.float32).item()
+    for role, s in enumerate(signs):
+        expected = (x * s) @ hadamard_matrix(d).double() * scale
+        block, offset = kernel.position(role, torch.arange(d))
+        assert torch.allclose(kernel.take(rows, block, offset), expected, atol=1e-12)
+        assert torch.equal(token_major[:, block * kernel.width + offset], kernel.take(rows, block, offset))
+    grad = torch.randn(t, 2 * d, dtype=torch.float64)
+    assert torch.allclose((token_major * grad).sum(), (x * kernel.rows_transposed(grad)).sum(), atol=1e-10)
 
 
 def test_randomized_hadamard_is_randomized_and_not_checkpointed():
@@ -139,7 +180,7 @@ def test_randomized_hadamard_is_randomized_and_not_checkpointed():
     assert a.state_dict() == {}
 
 
-@pytest.mark.parametrize("d", [16, 24, 48])
+@pytest.mark.parametrize("d", [16, 20, 24])
 def test_randomized_hadamard_gradcheck(d):
     transform = RandomizedHadamard(d, torch.Generator().manual_seed(0))
     x = torch.randn(2, d, dtype=torch.float64, requires_grad=True)
@@ -228,3 +269,152 @@ def test_matches_regenerated_allows_an_ulp_not_another_seed():
     assert matches_regenerated(regenerated.to(torch.bfloat16), regenerated)
     assert not matches_regenerated(other_seed, regenerated)
     assert not matches_regenerated(regenerated + 1e-3, regenerated)
+
+
+# ----------------------------------------------------------------------------- Hadamard Q/K in the model
+
+class _FakeTensorParallelGroup:
+    """rank()/size() of a tensor-parallel group, to build one rank's RandomQKVLinear in this process."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    from ora_megatron.parallel import destroy_distributed, init_distributed
+
+    init_distributed(1, 1, backend="gloo")
+    yield
+    destroy_distributed()
+
+
+def _hadamard_model(family: str, **changes):
+    from model_fixtures import build
+
+    from ora_megatron.attention import RandomQKVLinear
+
+    model = build("ora_hadamard", family, **changes)
+    return model, [m for m in model.modules() if isinstance(m, RandomQKVLinear)]
+
+
+def _force_path(linears, fast: bool) -> None:
+    """Use the fast transforms (the default for frozen Hadamard Q/K) or the dense stored weights."""
+    for linear in linears:
+        linear._hadamard_weights_checked, linear._hadamard_weights_match = True, fast
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # llama: GQA, so K has fewer columns than d
+def test_hadamard_qkv_fast_path_matches_dense_weights(process_group, family):
+    """Logits, every parameter gradient and the input gradient of the attention layer are those of
+    the dense frozen weights; the fast path counts fewer FLOPs, so it really ran."""
+    from model_fixtures import tokens
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, linears = _hadamard_model(family)
+    attention = model.layer1.layer.self_attention
+    assert all(m._hadamard_applies() for m in linears)
+    hidden = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(1))
+
+    def run(fast: bool):
+        _force_path(linears, fast)
+        model.zero_grad(set_to_none=True)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            logits = model(tokens())
+            logits.float().pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        x = hidden.clone().requires_grad_(True)
+        attention(x, attention_mask=None)[0].pow(2).sum().backward()
+        return logits.detach(), grads, x.grad, counter.get_total_flops()
+
+    fast_logits, fast_grads, fast_input_grad, fast_flops = run(True)
+    dense_logits, dense_grads, dense_input_grad, dense_flops = run(False)
+    assert (fast_logits - dense_logits).abs().max() <= 1e-5
+    assert fast_grads.keys() == dense_grads.keys()
+    assert not any(n.endswith((".q_weight", ".k_weight")) for n in fast_grads)
+    for name in fast_grads:
+        assert (fast_grads[name] - dense_grads[name]).abs().max() <= 1e-5, name
+    assert (fast_input_grad - dense_input_grad).abs().max() <= 1e-5
+    assert fast_input_grad.abs().max() > 0
+    assert fast_flops < dense_flops
+
+
+def test_hadamard_training_losses_match_dense_weights(process_group):
+    """Eight AdamW steps with the fast transforms follow the dense-weight run's losses (fp32)."""
+    from model_fixtures import tokens
+
+    def train(fast: bool) -> list[float]:
+        model, linears = _hadamard_model("gpt2")
+        _force_path(linears, fast)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for step in range(8):
+            optimizer.zero_grad()
+            loss = model(tokens(step)).float().logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    fast, dense = train(True), train(False)
+    assert max(abs(a - b) for a, b in zip(fast, dense)) <= 1e-5
+    assert abs(fast[-1] - fast[0]) > 1e-3, "the model must actually train"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("groups", [8, 4])
+def test_hadamard_qkv_tensor_parallel_slices_match_dense(tp, groups):
+    """Each TP rank's fast path gives its heads' columns of the dense weight (rows of H·D), forward
+    and input gradient, also with GQA (positions no column of the rank uses get a zero gradient)."""
+    from ora_megatron.attention import RandomQKVLinear, _FusedQKV, _HadamardQKV
+    from ora_megatron.builder import transformer_config
+    from ora_megatron.model_config import AttentionConfig, ModelConfig, ParallelConfig
+
+    model = ModelConfig(hidden_size=64, num_attention_heads=8, num_query_groups=groups,
+                        attention=AttentionConfig(type="ora", orthogonal_method="hadamard"))
+    config = transformer_config(model, ParallelConfig(tensor=tp))
+    x = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(0))
+    for rank in range(tp):
+        linear = RandomQKVLinear(64, 0, config=config, init_method=config.init_method, bias=True,
+                                 attention=model.attention, seed=5, tp_group=_FakeTensorParallelGroup(rank, tp))
+        linear.generate_qk(3)
+        args = (linear.v_weight, linear.v_bias)
+        fast_x, dense_x = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        fast = _HadamardQKV.apply(fast_x, *args, linear.hadamard, linear.qk_block, linear.qk_offset,
+                                  linear.row_index, linear.row_mask)
+        dense = _FusedQKV.apply(dense_x, linear.q_weight, linear.k_weight, *args, linear.groups)
+        assert fast.shape == dense.shape == (6, 2, (8 + 2 * groups) // tp * 8)
+        assert (fast - dense).abs().max() <= 1e-5
+        grad_out = torch.randn_like(fast)
+        fast.backward(grad_out)
+        dense.backward(grad_out)
+        assert (fast_x.grad - dense_x.grad).abs().max() <= 1e-5
+        assert (linear.row_mask is None) == (tp == 1 and groups == 8)
+
+
+def test_hadamard_fast_path_follows_trainability(process_group):
+    """Trainable Q/K (A2 flags, a freeze schedule) use their weights; frozen again at other values,
+    the check of the new frozen spell keeps the dense path; frozen at the regenerated values
+    (what a checkpoint load restores) the transforms apply again."""
+    _, linears = _hadamard_model("gpt2")
+    linear = linears[0]
+    assert linear._hadamard_applies()
+    linear.q_weight.requires_grad_(True)
+    assert not linear._hadamard_applies()
+    with torch.no_grad():
+        linear.q_weight.mul_(1.5)  # trained
+    linear.q_weight.requires_grad_(False)
+    assert not linear._hadamard_applies()
+    linear.q_weight.requires_grad_(True)
+    assert not linear._hadamard_applies()
+    with torch.no_grad():
+        linear.q_weight.copy_(linear.local_weight("q"))
+    linear.q_weight.requires_grad_(False)
+    assert linear._hadamard_applies()
