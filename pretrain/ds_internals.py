@@ -10,9 +10,10 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.utils import safe_get_local_grad, safe_get_local_optimizer_state
 
 
@@ -79,6 +80,28 @@ def local_grad_tensors(engine) -> Iterator[torch.Tensor]:
                 yield grad
     for grads in getattr(engine.optimizer, "averaged_gradients", {}).values():
         yield from (g for g in grads or () if g is not None)
+
+
+def keep_fp32_clip_norm(engine, record: Callable[[torch.Tensor, bool], None]) -> None:
+    """Hand the total norm of DeepSpeed's fp32 gradient clipping to `record(norm, covers_local_grads)`.
+
+    Without ZeRO and mixed precision the engine clips itself, in `_take_model_step` right before
+    `optimizer.step()`: `clip_fp32_gradients` calls `runtime.utils.clip_grad_norm_` and drops the
+    total norm it returns, so `get_global_grad_norm()` stays None and a caller wanting the norm
+    would compute it a second time. There is no hook or option for it: the method is replaced on
+    this engine instance by the very same call that keeps the norm — the gradients are clipped
+    exactly as before. `covers_local_grads`: the norm summed every gradient of this rank, which
+    clip_grad_norm_ does on model-parallel rank 0 only (it leaves replicated weights to that rank).
+    """
+    if not callable(getattr(engine, "clip_fp32_gradients", None)):
+        raise RuntimeError("this DeepSpeed has no DeepSpeedEngine.clip_fp32_gradients: re-check keep_fp32_clip_norm")
+
+    def clip_fp32_gradients() -> None:
+        mpu = engine.mpu
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=mpu)
+        record(norm, mpu is None or mpu.get_model_parallel_rank() == 0)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 def full_numel(param: torch.Tensor) -> int:

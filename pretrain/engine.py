@@ -7,8 +7,8 @@ or as `PipelinedGPT` (pipeline size > 1); both name parameters `{stage name}.{pa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
@@ -16,10 +16,12 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import DS_CONFIG_DIR, RunConfig
+from pretrain.ds_internals import keep_fp32_clip_norm
 
 
 class MegatronMPU:
@@ -41,10 +43,40 @@ class MegatronMPU:
     get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
 
 
+class _OneRankCrossEntropy(torch.autograd.Function):
+    """megatron-core's vocab-parallel cross entropy (`_VocabParallelCrossEntropy`, no label smoothing)
+    for a tensor-parallel group of one rank: the same `VocabParallelCrossEntropy` steps, without its
+    three all-reduces (a max and two sums over one rank leave every value as it is). On CPU each of
+    them is a round trip through gloo's worker thread, which waits for a core behind the OpenMP
+    threads' spin-wait (~0.2 ms each on two cores)."""
+
+    @staticmethod
+    def forward(ctx, vocab_logits, target):
+        vocab_logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(vocab_logits)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(vocab_logits.size(-1), 0, 1)
+        target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = (
+            VocabParallelCrossEntropy.calculate_predicted_logits(vocab_logits, target, logits_max, start, end))
+        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(
+            exp_logits, predicted_logits, sum_exp_logits)
+        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask))
+        return VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output), None
+
+
 def lm_loss(logits: torch.Tensor, labels_and_mask) -> torch.Tensor:
     """Mean next-token cross entropy over unmasked positions; logits are vocab-parallel [b, s, V/tp]."""
     labels, loss_mask = labels_and_mask
-    losses = vocab_parallel_cross_entropy(logits.float(), labels)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        losses = _OneRankCrossEntropy.apply(logits.float(), labels)
+    else:
+        losses = vocab_parallel_cross_entropy(logits.float(), labels)
     mask = loss_mask.float()
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -59,8 +91,10 @@ def batch_loss(engine, batch: dict) -> torch.Tensor:
 
 def data_parallel_mean(value: torch.Tensor) -> float:
     """Mean of a per-rank scalar over the data-parallel group (every rank gets it)."""
-    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
-    return value.item() / parallel_state.get_data_parallel_world_size()
+    size = parallel_state.get_data_parallel_world_size()
+    if size > 1:  # over one rank the sum is the value itself: no collective
+        torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return value.item() / size
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -92,15 +126,37 @@ class SkippingAdamW(torch.optim.AdamW):
 
     DeepSpeed's ZeRO and mixed-precision optimizers already skip such steps; with ZeRO-0 in fp32
     the engine steps this optimizer directly and counts a skip when `overflow` is set.
+
+    Under ZeRO-0 in fp32 DeepSpeed clips the gradients right before this step, and the total norm
+    it clipped with is handed over here (`record_clip_norm`): a finite norm that summed every local
+    gradient proves them all finite, so the per-tensor check (one reduction and one host sync per
+    tensor) runs only when the norm is not finite (or unknown) — the same decision as checking
+    every tensor each step. The norm is also DeepSpeed's `get_global_grad_norm()` (read from
+    `_global_grad_norm` after the step), which it otherwise leaves empty under ZeRO-0.
     """
 
     overflow = False
+    _global_grad_norm: Optional[torch.Tensor] = None
+    _pending_norm: Optional[torch.Tensor] = None
+    _grads_known_finite = False
+
+    def record_clip_norm(self, norm: torch.Tensor, covers_local_grads: bool) -> None:
+        """The total gradient norm clipping computed for this step; `covers_local_grads`: it summed
+        every gradient this rank holds (DeepSpeed leaves replicated weights out on TP ranks > 0)."""
+        self._pending_norm = norm
+        self._grads_known_finite = covers_local_grads and bool(torch.isfinite(norm).all())
 
     def step(self, closure=None):
+        # Consumed once: a norm recorded for an earlier step never vouches for this one.
+        self._global_grad_norm, self._pending_norm = self._pending_norm, None
+        known_finite, self._grads_known_finite = self._grads_known_finite, False
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))])
-        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        self.overflow = bool(bad.item())
+        bad = not known_finite and any(not torch.isfinite(g).all() for g in grads)
+        if torch.distributed.get_world_size() > 1:  # every rank skips together
+            flag = torch.tensor([float(bad)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            bad = bool(flag.item())
+        self.overflow = bad
         if self.overflow:
             self.zero_grad(set_to_none=True)
             return None
@@ -120,6 +176,9 @@ def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # Its samples/s timer (on by default) synchronizes the device at every forward and step;
+        # throughput is measured by the metrics logger instead.
+        "timers": {"throughput": {"enabled": False}},
     })
     return merged
 
@@ -173,6 +232,10 @@ class Engine:
     engine: deepspeed.DeepSpeedEngine
     scheduler: OptimizerParamScheduler
     pipelined: bool
+    # One data-parallel rank, ZeRO-0, fp32, no pipeline: DeepSpeed's gradient all-reduce is an
+    # identity there (a sum over one rank, divided by 1), so `backward` leaves it out.
+    single_replica: bool = False
+    trainable: list[torch.nn.Parameter] = field(default_factory=list)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -182,6 +245,26 @@ class Engine:
         """This rank's parameters under their stage names, in either assembly."""
         for name, param in self.module.named_parameters():
             yield (self.module.stage_name(name) if self.pipelined else name), param
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """`engine.backward(loss)` of a plain (not pipelined) engine.
+
+        With a single replica the all-reduce is skipped through DeepSpeed's public `no_sync()`
+        (allowed under ZeRO-0; `step()` is called outside it). Skipping the flatten, the
+        one-rank collective and the copy back leaves every gradient bitwise the same; its one side
+        effect, a zero gradient for a trainable weight that received none (DeepSpeed's
+        `_get_gradients_for_reduction`, at the accumulation boundary), is kept here so the optimizer
+        sees the same gradients.
+        """
+        if not self.single_replica:
+            self.engine.backward(loss)
+            return
+        with self.engine.no_sync():
+            self.engine.backward(loss)
+        if last_micro_batch:
+            for param in self.trainable:
+                if param.grad is None and param.numel() > 0:
+                    param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
@@ -203,7 +286,12 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, grad_accum),
         mpu=None if pipelined else MegatronMPU())
-    return Engine(engine=engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined)
+    fp32_zero0 = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
+    if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
+        keep_fp32_clip_norm(engine, engine.optimizer.record_clip_norm)
+    single_replica = fp32_zero0 and not pipelined and parallel_state.get_data_parallel_world_size() == 1
+    return Engine(engine=engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
+                  single_replica=single_replica, trainable=[p for p in model.parameters() if p.requires_grad])
 
 
 def lr_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:

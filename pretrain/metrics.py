@@ -8,14 +8,42 @@ from __future__ import annotations
 
 import math
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
 from pretrain.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 from pretrain.config import RunConfig
 from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord
+
+
+class IterationTimer:
+    """Wall time of each training iteration: from the end of one train step to the end of the next,
+    so it holds the loop's own work too (LR schedule, logging, the preemption check), like nanoGPT's
+    per-iteration time; evaluation and checkpoint saves are left out (`paused`), like Megatron-LM's
+    interval timer, so a step's throughput does not depend on the cadence of either."""
+
+    def __init__(self):
+        self._mark = time.perf_counter()
+        self._paused = 0.0
+
+    def lap(self) -> float:
+        """Seconds since the previous lap (or the timer's start), pauses excluded."""
+        now = time.perf_counter()
+        elapsed = now - self._mark - self._paused
+        self._mark, self._paused = now, 0.0
+        return elapsed
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - start
 
 
 class MetricsLogger:
@@ -46,10 +74,15 @@ class MetricsLogger:
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", file=sys.stderr,
                             dynamic_ncols=True)
 
+    def due(self, step: int, skipped: bool) -> bool:
+        """Whether `step` is logged: every log_interval steps, and every skipped step. The same on
+        every rank, so the loop reduces the loss over ranks only then."""
+        return step % self.log_interval == 0 or skipped
+
     def train_step(self, step: int, loss: float, step_time_s: float, *, skipped: bool, skipped_steps: int,
                    lr: float, grad_norm: Optional[float], trainable_params: int) -> None:
-        """Logged every log_interval steps, and on every skipped step."""
-        if not self.writing or not (step % self.log_interval == 0 or skipped):
+        """Writes the record of a step that is `due`."""
+        if not self.writing or not self.due(step, skipped):
             return
         tokens_per_s = self.tokens_per_step / step_time_s
         record = TrainRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,

@@ -3,6 +3,7 @@ evaluator when to validate and when early stopping stops, the checkpointer when 
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from typing import Optional
@@ -20,7 +21,7 @@ from pretrain.data import BatchOrder, StepBatches, build_datasets, build_tokeniz
 from pretrain.engine import Engine, MegatronMPU, batch_loss, build_engine, data_parallel_mean
 from pretrain.evaluator import Evaluator
 from pretrain.freeze import apply_freeze_stage, freeze_stage_index
-from pretrain.metrics import MetricsLogger
+from pretrain.metrics import IterationTimer, MetricsLogger
 from pretrain.run_dir import RunDir, Summary
 
 
@@ -41,6 +42,8 @@ class Preemption:
 
     def agreed(self) -> bool:
         """True on every rank once any rank was asked to stop (a collective)."""
+        if dist.get_world_size() == 1:
+            return self.requested
         flag = torch.tensor([1.0 if self.requested else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -54,7 +57,11 @@ class Trainer:
         self.eng: Engine = build_engine(cfg, grad_accum)
         self.param_counts = accounting.parameter_counts(self.eng)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
-        self.zero0_grad_norm: Optional[float] = None  # DeepSpeed keeps no norm under ZeRO-0
+        # DeepSpeed reports a gradient norm in every layout but one: ZeRO-0 in fp32 without clipping
+        # (with clipping, the clipping's norm: pretrain/ds_internals.keep_fp32_clip_norm).
+        ds = cfg.deepspeed
+        self.own_grad_norm = ds.zero_stage == 0 and ds.precision == "fp32" and cfg.optimizer.clip_grad <= 0
+        self.zero0_grad_norm: Optional[float] = None
         self._enter_freeze_stage(freeze_stage_index(cfg, 0))
         self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()))
         self.run_dir = run_dir
@@ -87,30 +94,37 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------ one step
-    def _train_step(self, step: int) -> float:
+    def _train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step; returns this rank's mean loss, left on the device until it is logged."""
         engine = self.eng.engine
         if self.eng.pipelined:
-            return engine.train_batch(data_iter=self.batches.pipeline_iter("train", step)).item()
+            return engine.train_batch(data_iter=self.batches.pipeline_iter("train", step))
         losses = []
         poison = step + 1 in self.cfg.train.inject_nonfinite_loss_steps
         for micro in range(self.grad_accum):
             loss = batch_loss(engine, self.batches.micro_batch("train", step, micro))
             if poison:
                 loss = loss * float("nan")
-            engine.backward(loss)
-            if micro == self.grad_accum - 1:
+            last = micro == self.grad_accum - 1
+            self.eng.backward(loss, last_micro_batch=last)
+            if last:
                 if self.grad_bytes is None:  # gradient storage only changes with the trainable set
                     self.grad_bytes = accounting.local_grad_bytes(engine)
-                if self.cfg.deepspeed.zero_stage == 0:
-                    trainable = [p for p in engine.module.parameters() if p.requires_grad]
-                    self.zero0_grad_norm = float(get_flattened_grad_norm(trainable, mpu=MegatronMPU()))
+                if self.own_grad_norm:
+                    self.zero0_grad_norm = float(get_flattened_grad_norm(self.eng.trainable, mpu=MegatronMPU()))
             engine.step()
             losses.append(loss.detach())
-        return data_parallel_mean(torch.stack(losses).mean())
+        return torch.stack(losses).mean()
+
+    def _mean_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss over the data-parallel ranks (the pipeline engine has reduced it already)."""
+        return loss.item() if self.eng.pipelined else data_parallel_mean(loss)
 
     def _grad_norm(self) -> Optional[float]:
+        """None where there is none, or where it is not finite (a skipped step)."""
         norm = self.eng.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else self.zero0_grad_norm
+        norm = float(norm) if norm is not None else self.zero0_grad_norm
+        return norm if norm is not None and math.isfinite(norm) and norm >= 0 else None
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
@@ -125,33 +139,41 @@ class Trainer:
         preemption = Preemption()
         start_time, train_loss = time.time(), float("nan")
         stopped_early = preempted = False
+        timer, loss, loss_reduced = IterationTimer(), None, False
         while state.step < cfg.steps:
-            self._enter_freeze_stage(freeze_stage_index(self.cfg, state.step))
+            with timer.paused():  # an engine rebuild at a freeze-schedule boundary is no step's time
+                self._enter_freeze_stage(freeze_stage_index(self.cfg, state.step))
             self.eng.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
             skipped_before = self.eng.engine.skipped_steps
-            t0 = time.time()
-            train_loss = self._train_step(state.step)
-            step_time = time.time() - t0
+            loss = self._train_step(state.step)
+            step_time = timer.lap()
             skipped = self.eng.engine.skipped_steps > skipped_before
             state.step += 1
             state.tokens_seen += cfg.global_batch_size * self.cfg.model.seq_length
             state.skipped_steps += int(skipped)
             state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
-            logger.train_step(
-                state.step, train_loss, step_time, skipped=skipped, skipped_steps=state.skipped_steps,
-                lr=self.eng.scheduler.get_lr(self.eng.engine.optimizer.param_groups[0]),
-                grad_norm=self._grad_norm(), trainable_params=self.param_counts[0])
+            loss_reduced = logger.due(state.step, skipped)
+            if loss_reduced:  # the loss leaves the device (a collective) only when it is logged
+                train_loss = self._mean_loss(loss)
+                logger.train_step(
+                    state.step, train_loss, step_time, skipped=skipped, skipped_steps=state.skipped_steps,
+                    lr=self.eng.scheduler.get_lr(self.eng.engine.optimizer.param_groups[0]),
+                    grad_norm=self._grad_norm(), trainable_params=self.param_counts[0])
             too_many_skips = state.consecutive_skips >= cfg.max_consecutive_skips
-            stopped_early = not too_many_skips and evaluator.after_step(self.eng, state)
+            with timer.paused():
+                stopped_early = not too_many_skips and evaluator.after_step(self.eng, state)
             preempted = preemption.agreed()
             final = state.step == cfg.steps or too_many_skips or stopped_early or preempted
-            self.checkpointer.save_if_due(self.eng, state, final=final)
+            with timer.paused():
+                self.checkpointer.save_if_due(self.eng, state, final=final)
             if too_many_skips:
                 raise TrainingStopped(
                     f"{state.consecutive_skips} consecutive steps had non-finite loss or gradients "
                     f"(step {state.step}); stopped, last good state saved in {self.run_dir.checkpoints}")
             if final:
                 break
+        if loss is not None and not loss_reduced:
+            train_loss = self._mean_loss(loss)  # the last step was not logged
         test_loss = None if preempted else evaluator.test(self.eng, state.step)
         trainable, frozen = self.param_counts
         return Summary(

@@ -150,16 +150,23 @@ def test_partial_frozen_schedule_unfreezes_at_the_right_steps(tmp_path):
     assert summary(run_dir).frozen_params == 0
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage):
+# One process at ZeRO-0 in fp32 is the single-replica path: no gradient all-reduce, and the
+# finiteness check reads the norm DeepSpeed clipped with (pretrain/engine.py, SkippingAdamW).
+@pytest.mark.parametrize("zero_stage, nproc", [(0, 2), (2, 2), (0, 1)])
+def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage, nproc):
+    import math
+
     import torch
 
     config = write_config(tmp_path)
     run_dir = tmp_path / "poisoned"
     run(config, run_dir, [f"deepspeed.zero_stage={zero_stage}", "train.inject_nonfinite_loss_steps=[3,4]",
-                          "checkpoint.save_interval=1", "checkpoint.keep_last=10"], nproc=2)
+                          "checkpoint.save_interval=1", "checkpoint.keep_last=10"], nproc=nproc)
     steps = {r.step: r for r in records(run_dir)}
     assert steps[2].skipped_steps == 0 and steps[4].skipped_steps == 2 and steps[6].skipped_steps == 2
+    # Every layout reports the clipping's norm on a good step, and none on a skipped one.
+    assert [s for s, r in steps.items() if r.grad_norm is None] == [3, 4]
+    assert all(math.isfinite(r.grad_norm) and r.grad_norm > 0 for s, r in steps.items() if s not in (3, 4))
     assert summary(run_dir).skipped_steps == 2
 
     def weights(step):
