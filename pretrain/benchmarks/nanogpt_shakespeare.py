@@ -1,47 +1,81 @@
-"""The nanoGPT `shakespeare_char` CPU yardstick, run through our whole stack.
+"""The nanoGPT `shakespeare_char` CPU yardstick: our whole stack beside nanoGPT itself, in one invocation.
 
     python pretrain/benchmarks/nanogpt_shakespeare.py --input ../shared/data/tinyshakespeare.txt \
-        [--out-dir runs/bench/shakespeare] [--steps 2000] [--attention vanilla ora]
+        [--nanogpt PATH_TO_NANOGPT_CHECKOUT] [--out-dir runs/bench/shakespeare] [--steps 2000] \
+        [--attention vanilla ora] [--slice 3]
 
-Recipe (nanoGPT README, CPU): char-level, first 90% of the text for training and the last 10%
-for validation; 4 layers, 4 heads, d=128, block 64, batch 12, lr 1e-3 with 100 warmup steps and
-cosine decay to 1e-4 at 2000, beta2 0.99, dropout 0, 2000 steps, one process. nanoGPT reaches a
-validation loss of 1.886 (68 s wall on a 2-core machine, see DESIGN.md).
+Recipe (nanoGPT README, CPU: `config/train_shakespeare_char.py` with device=cpu compile=False
+eval_iters=20 log_interval=1 block_size=64 batch_size=12 n_layer=4 n_head=4 n_embd=128
+max_iters=2000 lr_decay_iters=2000 dropout=0.0): char-level, first 90% of the characters for
+training and the last 10% for validation; lr 1e-3 with 100 warmup steps and cosine decay to 1e-4,
+beta2 0.99, weight decay 0.1, clip 1.0, validation every 250 steps. Ours runs the same recipe through
+the real entry points: data_tools.train_tokenizer (sentencepiece char model), data_tools.build_shards,
+pretrain/pretrain_ora.py (one process, ZeRO-0, fp32, metrics every step). nanoGPT runs from a
+checkout (its train.py, unchanged) on the same text and split, written here in its data format
+(train.bin / val.bin of uint16 character ids, meta.pkl), twice: as the recipe has it (bias=False)
+and with bias=True, which adds the biases of every linear and LayerNorm that our gpt2 family has:
+that second run computes what ours computes, the first is the recipe's yardstick.
 
-Stages, each through the real entry points: data_tools.train_tokenizer (sentencepiece char
-model), data_tools.build_shards (one document per split file), pretrain/pretrain_ora.py (one
-process, ZeRO-0, fp32), once per attention type, back to back. Writes results.json and prints a
-table: final validation loss, median tokens/s, train wall time, process wall time.
+Side by side: all runs start together and take turns on the machine, `--slice` seconds each (every
+other run stopped with SIGSTOP meanwhile), so each sees the same background load; `--slice 0` runs
+them one after the other. Throughput, the same definition for both: tokens per iteration
+(12 × 64) / the median iteration time over steady-state iterations — the first 10 left out, and
+nanoGPT's evaluation iterations (its printed time includes the evaluation and checkpoint; ours
+excludes both by construction). The few iterations cut by a turn change are outliers the median
+ignores. Writes results.json and prints a table: median ms/iteration, tokens/s, the ratios to both nanoGPT runs,
+final validation loss, process wall time (its own turns only).
+
+--steps shortens every run (max_iters = lr_decay_iters = steps; validation every 250 steps, or only
+at the end when steps is not a multiple of 250); medians after warm-up favour neither side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+import numpy as np
 import yaml
 
 from pretrain.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
-NANOGPT_VAL_LOSS = 1.886
+BLOCK, BATCH = 64, 12
+TOKENS_PER_ITER = BLOCK * BATCH
+EVAL_INTERVAL = 250  # config/train_shakespeare_char.py
+WARMUP_ITERS = 10
+NANOGPT_OVERRIDES = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
+                     f"--block_size={BLOCK}", f"--batch_size={BATCH}", "--n_layer=4", "--n_head=4",
+                     "--n_embd=128", "--dropout=0.0"]
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss [-\d.naninf]+, time ([\d.]+)ms", re.MULTILINE)
+NANOGPT_EVAL = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", re.MULTILINE)
 
 
 def run(args: list[str]) -> None:
     subprocess.run([sys.executable, *args], cwd=REPO, check=True)
 
 
-def prepare_data(text_path: Path, data_dir: Path) -> tuple[Path, Path, Path, int]:
-    """Split 90/10 by characters, train a char tokenizer on the train part, shard both parts."""
+def split_text(text_path: Path) -> dict[str, str]:
     text = text_path.read_text()
     cut = int(0.9 * len(text))
+    return {"train": text[:cut], "valid": text[cut:]}
+
+
+def prepare_data(parts: dict[str, str], data_dir: Path) -> tuple[Path, Path, Path, int]:
+    """Train a char tokenizer on the train part, shard both parts."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    parts = {"train": text[:cut], "valid": text[cut:]}
     for name, part in parts.items():
         (data_dir / f"{name}.txt").write_text(part)
     # sentencepiece reads text line by line: newlines are unseen and map to <unk>, one token per
@@ -56,6 +90,28 @@ def prepare_data(text_path: Path, data_dir: Path) -> tuple[Path, Path, Path, int
     return data_dir / "shards_train", data_dir / "shards_valid", Path(f"{tokenizer}.model"), vocab
 
 
+def prepare_nanogpt_data(parts: dict[str, str], work_dir: Path, checkout: Path) -> None:
+    """nanoGPT's working directory: data/shakespeare_char/{train,val}.bin (uint16 ids of the characters,
+    the vocabulary being every character of the whole text, sorted) and meta.pkl (vocab_size, itos,
+    stoi), which its train.py reads; and its configurator.py, which train.py opens from the working
+    directory (linked, not copied)."""
+    data_dir = work_dir / "data" / "shakespeare_char"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    chars = sorted(set(parts["train"]) | set(parts["valid"]))
+    stoi = {c: i for i, c in enumerate(chars)}
+    for name, file in (("train", "train.bin"), ("valid", "val.bin")):
+        np.array([stoi[c] for c in parts[name]], dtype=np.uint16).tofile(data_dir / file)
+    with open(data_dir / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
+    link = work_dir / "configurator.py"
+    if not link.exists():
+        link.symlink_to(checkout / "configurator.py")
+
+
+def eval_interval(steps: int) -> int:
+    return EVAL_INTERVAL if steps % EVAL_INTERVAL == 0 else steps
+
+
 def run_config(attention: str, steps: int, vocab: int, train_shards: Path, valid_shards: Path, tokenizer: Path) -> dict:
     from data_tools.manifest import blend_from_manifest
 
@@ -65,11 +121,11 @@ def run_config(attention: str, steps: int, vocab: int, train_shards: Path, valid
 
     return {
         "model": {"family": "gpt2", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
-                  "ffn_hidden_size": 512, "seq_length": 64, "vocab_size": vocab,
+                  "ffn_hidden_size": 512, "seq_length": BLOCK, "vocab_size": vocab,
                   "make_vocab_size_divisible_by": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                   "seed": 1337, "attention": {"type": attention}},
-        "train": {"micro_batch_size": 12, "global_batch_size": 12, "steps": steps, "log_interval": 10,
-                  "eval_interval": steps, "eval_iters": 20},
+        "train": {"micro_batch_size": BATCH, "global_batch_size": BATCH, "steps": steps, "log_interval": 1,
+                  "eval_interval": eval_interval(steps), "eval_iters": 20},
         "optimizer": {"lr": 1e-3, "min_lr_ratio": 0.1, "warmup_steps": 100, "decay_style": "cosine",
                       "decay_steps": steps, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip_grad": 1.0},
         "data": {"train_blend": blend(train_shards), "valid_blend": blend(valid_shards),
@@ -80,43 +136,155 @@ def run_config(attention: str, steps: int, vocab: int, train_shards: Path, valid
     }
 
 
-def train(out_dir: Path, attention: str, config: dict) -> dict:
+@dataclass
+class Job:
+    """One training process; `active_s` counts only the time it was allowed to run."""
+
+    name: str
+    argv: list[str]
+    cwd: Path
+    log: Path
+    proc: Optional[subprocess.Popen] = None
+    active_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def resume(self) -> None:
+        if self.proc is None:
+            with open(self.log, "w") as log:  # its own process group: stopping it stops its children too
+                self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+        else:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def pause(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run_in_turns(jobs: list[Job], slice_s: float) -> None:
+    """Run the jobs in turns of `slice_s` seconds (0: each to its end) until every one has exited."""
+    queue = list(jobs)
+    try:
+        while queue:
+            job = queue.pop(0)
+            started = time.monotonic()
+            job.resume()
+            try:
+                job.proc.wait(timeout=slice_s if slice_s > 0 else None)
+            except subprocess.TimeoutExpired:
+                job.pause()
+                queue.append(job)
+            job.active_s += time.monotonic() - started
+            if job.proc.returncode not in (None, 0):
+                raise RuntimeError(f"{job.name} failed with exit code {job.proc.returncode}; see {job.log}")
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+def steady_median_ms(times_by_iter: dict[int, float], skip) -> float:
+    kept = [t for i, t in sorted(times_by_iter.items()) if i >= WARMUP_ITERS and not skip(i)]
+    return statistics.median(kept) * 1e3
+
+
+def nanogpt_job(checkout: Path, work_dir: Path, steps: int, bias: bool) -> Job:
+    """The recipe (bias=False, nanoGPT's default), or with bias=True: biases in every linear and
+    LayerNorm, as our gpt2 family has them, so the same computation as ours."""
+    name = "nanoGPT+bias" if bias else "nanoGPT"
+    argv = [sys.executable, str(checkout / "train.py"), str(checkout / "config" / "train_shakespeare_char.py"),
+            *NANOGPT_OVERRIDES, f"--bias={bias}", f"--max_iters={steps}", f"--lr_decay_iters={steps}",
+            f"--eval_interval={eval_interval(steps)}", f"--out_dir={work_dir / ('out_bias' if bias else 'out')}"]
+    return Job(name, argv, work_dir, work_dir / ("train_bias.log" if bias else "train.log"))
+
+
+def nanogpt_result(job: Job, steps: int) -> dict:
+    log = job.log.read_text()
+    times = {int(i): float(ms) / 1e3 for i, ms in NANOGPT_ITER.findall(log)}
+    evals = NANOGPT_EVAL.findall(log)
+    every = eval_interval(steps)
+    # iter i's printed time includes the evaluation (and checkpoint) run before it when i % every == 0
+    median_ms = steady_median_ms(times, skip=lambda i: i % every == 0)
+    return {"name": job.name, "median_iter_ms": median_ms, "tokens_per_s": TOKENS_PER_ITER / median_ms * 1e3,
+            "final_valid_loss": float(evals[-1][2]), "iterations": len(times), "process_wall_s": job.active_s,
+            "log": str(job.log)}
+
+
+def our_job(out_dir: Path, attention: str, config: dict) -> Job:
     config_path = out_dir / f"{attention}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_dir = out_dir / f"run_{attention}"
-    started = time.time()
-    run([str(REPO / "pretrain" / "pretrain_ora.py"), "--config", str(config_path), "--run-dir", str(run_dir)])
-    process_wall = time.time() - started
-    summary = RunDir(run_dir).read_summary()
-    speeds = [r.tokens_per_s for r in RunDir(run_dir).read_records("train")][1:]  # first step warms up
-    return {"attention": attention, "final_valid_loss": summary.final_valid_loss,
-            "median_tokens_per_s": statistics.median(speeds), "train_wall_s": summary.wall_time_s,
-            "process_wall_s": process_wall, "trainable_params": summary.trainable_params,
-            "frozen_params": summary.frozen_params, "run_dir": str(run_dir)}
+    argv = [sys.executable, str(REPO / "pretrain" / "pretrain_ora.py"), "--config", str(config_path),
+            "--run-dir", str(run_dir)]
+    return Job(f"ours ({attention})", argv, REPO, out_dir / f"{attention}.log", extra={"run_dir": run_dir})
+
+
+def our_result(job: Job, attention: str) -> dict:
+    run_dir = RunDir(job.extra["run_dir"])
+    summary = run_dir.read_summary()
+    # step s is the s-th iteration (nanoGPT's iter s-1); its time excludes evaluation and checkpoints
+    times = {r.step - 1: r.step_time_s for r in run_dir.read_records("train")}
+    median_ms = steady_median_ms(times, skip=lambda i: False)
+    return {"name": f"ours ({attention})", "attention": attention, "median_iter_ms": median_ms,
+            "tokens_per_s": TOKENS_PER_ITER / median_ms * 1e3, "final_valid_loss": summary.final_valid_loss,
+            "iterations": len(times), "process_wall_s": job.active_s, "trainable_params": summary.trainable_params,
+            "frozen_params": summary.frozen_params, "run_dir": str(run_dir.path)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, type=Path)
+    parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout, run beside ours (its train.py)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench" / "shakespeare")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--attention", nargs="+", default=["vanilla", "ora"])
+    parser.add_argument("--slice", type=float, default=3.0,
+                        help="seconds per turn when the runs alternate (0: one after the other)")
     args = parser.parse_args(argv)
     out_dir = args.out_dir.resolve()
-    train_shards, valid_shards, tokenizer, vocab = prepare_data(args.input.resolve(), out_dir / "data")
-    results = [train(out_dir, attention,
-                     run_config(attention, args.steps, vocab, train_shards, valid_shards, tokenizer))
-               for attention in args.attention]
-    report = {"recipe": "nanoGPT shakespeare_char CPU", "steps": args.steps, "vocab": vocab,
-              "nanogpt_val_loss": NANOGPT_VAL_LOSS, "results": results}
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'attention':<10}{'val loss':>10}{'tokens/s':>12}{'train s':>10}{'process s':>11}"
-          f"{'trainable':>12}{'frozen':>10}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = split_text(args.input.resolve())
+    train_shards, valid_shards, tokenizer, vocab = prepare_data(parts, out_dir / "data")
+    jobs = [our_job(out_dir, attention, run_config(attention, args.steps, vocab, train_shards, valid_shards, tokenizer))
+            for attention in args.attention]
+    for job in jobs:  # a rerun starts afresh rather than resuming a finished run
+        shutil.rmtree(job.extra["run_dir"], ignore_errors=True)
+    ours = list(jobs)
+    nanogpt = []
+    if args.nanogpt:
+        checkout = args.nanogpt.resolve()
+        work_dir = out_dir / "nanogpt"
+        prepare_nanogpt_data(parts, work_dir, checkout)
+        nanogpt = [nanogpt_job(checkout, work_dir, args.steps, bias) for bias in (False, True)]
+        jobs = nanogpt + jobs
+    run_in_turns(jobs, args.slice)
+
+    import torch
+
+    results = [our_result(job, attention) for job, attention in zip(ours, args.attention)]
+    references = [nanogpt_result(job, args.steps) for job in nanogpt]
+    reference, with_bias = references if references else (None, None)
     for r in results:
-        print(f"{r['attention']:<10}{r['final_valid_loss']:>10.4f}{r['median_tokens_per_s']:>12,.0f}"
-              f"{r['train_wall_s']:>10.1f}{r['process_wall_s']:>11.1f}{r['trainable_params']:>12,}{r['frozen_params']:>10,}")
-    print(f"nanoGPT reference: val loss {NANOGPT_VAL_LOSS} (68 s wall, same machine class)")
-    print(f"results: {out_dir / 'results.json'}")
+        r["ratio_to_nanogpt"] = r["tokens_per_s"] / reference["tokens_per_s"] if reference else None
+        r["ratio_to_nanogpt_bias"] = r["tokens_per_s"] / with_bias["tokens_per_s"] if with_bias else None
+    report = {"recipe": "nanoGPT shakespeare_char CPU", "steps": args.steps, "eval_interval": eval_interval(args.steps),
+              "tokens_per_iteration": TOKENS_PER_ITER, "warmup_iterations_left_out": WARMUP_ITERS,
+              "slice_s": args.slice, "vocab": vocab, "torch_threads": torch.get_num_threads(),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "nanogpt": reference,
+              "nanogpt_bias": with_bias, "results": results,
+              "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'run':<16}{'ms/iter':>9}{'tokens/s':>10}{'× nanoGPT':>11}{'× +bias':>9}{'val loss':>10}{'wall s':>8}")
+    for r in references + results:
+        ratios = [f"{r[k]:.3f}" if r.get(k) else "-" for k in ("ratio_to_nanogpt", "ratio_to_nanogpt_bias")]
+        print(f"{r['name']:<16}{r['median_iter_ms']:>9.2f}{r['tokens_per_s']:>10,.0f}{ratios[0]:>11}{ratios[1]:>9}"
+              f"{r['final_valid_loss']:>10.4f}{r['process_wall_s']:>8.1f}")
+    print(f"median over iterations {WARMUP_ITERS}.. (nanoGPT's evaluation iterations left out), "
+          f"turns of {args.slice} s, torch threads {torch.get_num_threads()}; results: {out_dir / 'results.json'}")
     return 0
 
 

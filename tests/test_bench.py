@@ -1,0 +1,105 @@
+"""pretrain.bench: arm names, the JSON report and its ratio table, on a tiny config (one process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ora_megatron.config_io import ConfigError
+from ora_megatron.orthogonal import kronecker_split
+from pretrain.bench import RATIO_KEYS, SCHEMA, arm_overrides, main, ratios
+
+TINY = """\
+model:
+  num_layers: 2
+  hidden_size: 32
+  num_attention_heads: 2
+  ffn_hidden_size: 64
+  seq_length: 16
+  vocab_size: 64
+  make_vocab_size_divisible_by: 8
+  hidden_dropout: 0.0
+  attention_dropout: 0.0
+train:
+  micro_batch_size: 2
+  global_batch_size: 4
+deepspeed:
+  zero_stage: 1
+  precision: fp32
+"""
+LAYERS, D, TOKENS_PER_STEP = 2, 32, 4 * 16
+
+
+def test_arm_names():
+    assert arm_overrides("vanilla") == ["model.attention.type=vanilla"]
+    assert arm_overrides("synthesizer_factorized") == ["model.attention.type=synthesizer_factorized"]
+    assert arm_overrides("ora_hadamard") == ["model.attention.type=ora", "model.attention.orthogonal_method=hadamard"]
+    for bad in ("ora_givens", "dense", "vanilla_qr"):
+        with pytest.raises(ConfigError, match="unknown arm"):
+            arm_overrides(bad)
+
+
+def test_ratios_divide_by_the_first_arm():
+    def arm(name, scale):
+        return {"arm": name, "step_time_s": {"median": 2.0 * scale}, "step_cpu_time_s": {"median": 3.0 * scale},
+                "tokens_per_s": 10.0 / scale, "inference_tokens_per_s": 20.0 / scale,
+                "analytic_flops_per_token": 5.0 * scale, "measured_flops_per_token": 4.0 * scale,
+                "grad_and_optimizer_state_bytes": 8 * scale, "memory": {"saved_activation_bytes": 0}}
+
+    table = ratios([arm("a", 1.0), arm("b", 0.5)])
+    assert table[0] == {"arm": "a", **{k: (None if k == "saved_activation_bytes" else 1.0) for k in RATIO_KEYS}}
+    assert table[1]["step_time"] == 0.5 and table[1]["tokens_per_s"] == 2.0 and table[1]["analytic_flops"] == 0.5
+
+
+@pytest.mark.slow
+def test_bench_report_on_a_tiny_config(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "bench.json"
+    assert main(["--config", str(config), "--arms", "vanilla,ora_hadamard", "--steps", "3", "--warmup", "1",
+                 "--set", "model.seed=3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["schema"] == SCHEMA and report["steps"] == 3 and report["warmup"] == 1
+    assert report["shape"]["tokens_per_step"] == TOKENS_PER_STEP and report["shape"]["zero_stage"] == 1
+    assert report["command"][-2:] == ["--json", str(out)]
+    vanilla, hadamard = report["arms"]
+    assert [vanilla["arm"], hadamard["arm"]] == ["vanilla", "ora_hadamard"]
+    assert hadamard["attention"] == {"type": "ora", "orthogonal_method": "hadamard"}
+    for arm in report["arms"]:
+        assert len(arm["step_time_s"]["samples"]) == len(arm["inference_time_s"]["samples"]) == 3
+        assert arm["tokens_per_s"] == pytest.approx(TOKENS_PER_STEP / arm["step_time_s"]["median"])
+        assert len(arm["losses"]) == 3 and all(0 < loss < 10 for loss in arm["losses"])
+        # fp32 Adam: two moments of 4 bytes per trainable parameter; fp32 gradients, read live.
+        memory = arm["memory"]
+        assert memory["optimizer_state_bytes"] == 8 * arm["trainable_params"]
+        assert memory["gradient_bytes"] == 4 * arm["trainable_params"]
+        assert memory["trainable_parameter_bytes"] == 4 * arm["trainable_params"]
+        assert memory["saved_activation_bytes"] > 0
+        assert "tflops" not in arm  # CPU: no peak table entry, no MFU
+    # Frozen Q/K: 2 d×d per layer, out of the optimizer, and no Q/K biases (gpt2 has them in vanilla).
+    assert vanilla["frozen_params"] == 0 and hadamard["frozen_params"] == 2 * LAYERS * D * D
+    assert vanilla["trainable_params"] - hadamard["trainable_params"] == 2 * LAYERS * (D * D + D)
+    # Counted FLOPs per token: the Q/K GEMMs (forward, input and weight gradient: 12·d² per layer)
+    # are gone; the Kronecker contractions add 2·d·(a + b) per role, forward and backward.
+    a, b = kronecker_split(D)
+    saved = vanilla["measured_flops_per_token"] - hadamard["measured_flops_per_token"]
+    assert saved == LAYERS * (12 * D * D - 2 * 2 * 2 * D * (a + b))
+    assert vanilla["analytic_flops_per_token"] - hadamard["analytic_flops_per_token"] == saved
+    first, second = report["ratios"]
+    assert all(first[k] == 1.0 for k in RATIO_KEYS)
+    assert second["arm"] == "ora_hadamard"
+    assert second["step_time"] == hadamard["step_time_s"]["median"] / vanilla["step_time_s"]["median"]
+    assert second["grad_and_optimizer_state_bytes"] == pytest.approx(
+        hadamard["trainable_params"] / vanilla["trainable_params"])
+    printed = capsys.readouterr().out
+    assert "ratios to vanilla:" in printed and printed.count("ora_hadamard") == 2
+
+
+def test_bench_refuses_bad_arms_and_parallel_configs(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    assert main(["--config", str(config), "--arms", "vanilla,ora_givens"]) == 2
+    assert "unknown arm 'ora_givens'" in capsys.readouterr().err
+    assert main(["--config", str(config), "--set", "parallel.tensor=2"]) == 2
+    assert "one process" in capsys.readouterr().err
