@@ -236,6 +236,8 @@ class Engine:
     # identity there (a sum over one rank, divided by 1), so `backward` leaves it out.
     single_replica: bool = False
     trainable: list[torch.nn.Parameter] = field(default_factory=list)
+    # ZeRO-0 in fp32 without clipping: the one layout where DeepSpeed computes no gradient norm.
+    reports_no_grad_norm: bool = False
 
     @property
     def module(self) -> torch.nn.Module:
@@ -293,7 +295,8 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
         keep_fp32_clip_norm(engine, engine.optimizer.record_clip_norm)
     single_replica = fp32_zero0 and not pipelined and parallel_state.get_data_parallel_world_size() == 1
     return Engine(engine=engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
-                  single_replica=single_replica, trainable=[p for p in model.parameters() if p.requires_grad])
+                  single_replica=single_replica, trainable=[p for p in model.parameters() if p.requires_grad],
+                  reports_no_grad_norm=fp32_zero0 and opt.clip_grad <= 0)
 
 
 def lr_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:

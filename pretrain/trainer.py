@@ -57,11 +57,7 @@ class Trainer:
         self.eng: Engine = build_engine(cfg, grad_accum)
         self.param_counts = accounting.parameter_counts(self.eng)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
-        # DeepSpeed reports a gradient norm in every layout but one: ZeRO-0 in fp32 without clipping
-        # (with clipping, the clipping's norm: pretrain/ds_internals.keep_fp32_clip_norm).
-        ds = cfg.deepspeed
-        self.own_grad_norm = ds.zero_stage == 0 and ds.precision == "fp32" and cfg.optimizer.clip_grad <= 0
-        self.zero0_grad_norm: Optional[float] = None
+        self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (Engine.reports_no_grad_norm)
         self._enter_freeze_stage(freeze_stage_index(cfg, 0))
         self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()))
         self.run_dir = run_dir
@@ -110,7 +106,7 @@ class Trainer:
             if last:
                 if self.grad_bytes is None:  # gradient storage only changes with the trainable set
                     self.grad_bytes = accounting.local_grad_bytes(engine)
-                if self.own_grad_norm:
+                if self.eng.reports_no_grad_norm:
                     self.zero0_grad_norm = float(get_flattened_grad_norm(self.eng.trainable, mpu=MegatronMPU()))
             engine.step()
             losses.append(loss.detach())
