@@ -7,11 +7,13 @@ that depend on the number of processes (batch divisibility, ZeRO vs pipeline) ru
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml
+from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml, to_dict
 from ora_megatron.model_config import ModelConfig, ParallelConfig, validate_model_parallel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -249,6 +251,11 @@ class RunConfig:
                         bad = [n for n in layers if not 1 <= n <= self.model.num_layers]
                         check(not bad, f"train.freeze_schedule[{i}].{name}",
                               f"layer numbers {bad} outside 1..{self.model.num_layers}")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 of the resolved config: names default run dirs, and tells a sweep a run's config changed."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
 
 
 def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
 import os
 import platform
 import subprocess
@@ -27,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
+from pretrain.config import REPO, RunConfig, config_hash, load_run_config, validate_for_world
 from pretrain.resume_check import ResumeRefused, check_resume
 from pretrain.run_dir import RunDir
 
@@ -62,8 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def default_run_dir(config_path: str, cfg: RunConfig) -> Path:
-    digest = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:8]
-    return REPO / "runs" / f"{Path(config_path).stem}-{digest}"
+    return REPO / "runs" / f"{Path(config_path).stem}-{config_hash(cfg)[:8]}"
 
 
 def _launch_local(args, world_size: int, run_dir: Path) -> int:

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
-import hashlib
 import json
 import math
 import os
@@ -74,7 +73,7 @@ from typing import IO, Any, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml, to_dict
-from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
+from pretrain.config import REPO, RunConfig, config_hash, load_run_config, validate_for_world
 from pretrain.run_dir import ExperimentRecord, RunDir
 
 ENTRY = REPO / "pretrain" / "pretrain_ora.py"
@@ -293,10 +292,6 @@ def run_state(run: Run) -> str:
     if (record is not None and record.status == "running") or run.run_dir.latest_checkpoint() is not None:
         return "interrupted"
     return "pending"
-
-
-def config_hash(cfg: RunConfig) -> str:
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
 
 
 def to_start(runs: list[Run], retry_failed: bool) -> list[Run]:
