@@ -43,6 +43,7 @@ from ora_megatron.orthogonal import (
     orthogonal_matrix,
     seeded_generator,
 )
+from ora_megatron.parallel import tp_rank_size
 
 
 def _mark_head_sharded(*params) -> None:
@@ -50,12 +51,6 @@ def _mark_head_sharded(*params) -> None:
     for param in params:
         if param is not None:
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
-
-
-def _tp_rank_size(tp_group) -> tuple[int, int]:
-    if tp_group is None:
-        return 0, 1
-    return tp_group.rank(), tp_group.size()
 
 
 class SDPACoreAttention(MegatronModule):
@@ -189,7 +184,7 @@ class RandomQKVLinear(torch.nn.Module):
         assert not gather_output and not is_expert
         self.config, self.attention, self.seed, self.tp_group = config, attention, seed, tp_group
         self.skip_bias_add = skip_bias_add
-        rank, size = _tp_rank_size(tp_group)
+        rank, size = tp_rank_size(tp_group)
         self.heads = config.num_attention_heads // size
         self.groups = config.num_query_groups // size
         self.head_dim = config.kv_channels
@@ -231,7 +226,7 @@ class RandomQKVLinear(torch.nn.Module):
         d, hd = self.config.hidden_size, self.head_dim
         transforms = [hadamard_transform_for(self.seed, layer_number, role, d) for role in ("q", "k")]
         kernel = HadamardRows([t.signs for t in transforms])
-        rank, _ = _tp_rank_size(self.tp_group)
+        rank, _ = tp_rank_size(self.tp_group)
         blocks, offsets = [], []
         for role, (transform, width) in enumerate(zip(transforms, (self.heads * hd, self.groups * hd))):
             columns = torch.arange(rank * width, (rank + 1) * width)
@@ -260,7 +255,7 @@ class RandomQKVLinear(torch.nn.Module):
         """This rank's heads of the regenerated Q or K weight of this layer."""
         heads = self.config.num_attention_heads if role == "q" else self.config.num_query_groups
         rows = (self.heads if role == "q" else self.groups) * self.head_dim
-        rank, _ = _tp_rank_size(self.tp_group)
+        rank, _ = tp_rank_size(self.tp_group)
         return self.expected_weight(role, self.layer_number, heads)[rank * rows:(rank + 1) * rows]
 
     def expected_weight(self, role: str, layer_number: int, heads: int) -> torch.Tensor:
@@ -327,7 +322,7 @@ class SynthesizerAttention(MegatronModule):
         super().__init__(config=config)
         self.layer_number = layer_number
         tp_group = pg_collection.tp if pg_collection is not None else None
-        rank, size = _tp_rank_size(tp_group)
+        rank, size = tp_rank_size(tp_group)
         heads = config.num_attention_heads // size
         self.heads, self.head_dim = heads, config.kv_channels
         width = config.num_attention_heads * config.kv_channels

@@ -1,9 +1,10 @@
 """Model config → megatron-core TransformerConfig and layer spec.
 
 The attention variant is chosen by swapping the `self_attention` submodule of megatron-core's
-local GPT layer spec; everything else (norms, MLP, embeddings, output layer) is megatron-core's.
-The family (families/) decides norm, activation, MLP gating and biases. The model itself is
-assembled from these parts in stages.py.
+local GPT layer spec; everything else (norms, MLP, embeddings, output layer) is megatron-core's,
+its linears run as torch's linear on a lone tensor-parallel rank (linear.py). The family
+(families/) decides norm, activation, MLP gating and biases. The model itself is assembled from
+these parts in stages.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import dataclasses
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -28,6 +28,7 @@ from ora_megatron.attention import (
     SynthesizerSubmodules,
 )
 from ora_megatron.families import family_of
+from ora_megatron.linear import ColumnLinear, RowLinear
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 
 
@@ -83,14 +84,14 @@ def attention_spec(model: ModelConfig) -> ModuleSpec:
             module = RandomQKSelfAttention
             linear_qkv = ModuleSpec(module=RandomQKVLinear, params={"attention": att, "seed": model.seed})
         else:
-            module, linear_qkv = SelfAttention, ColumnParallelLinear
+            module, linear_qkv = SelfAttention, ColumnLinear
         return ModuleSpec(
             module=module,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(
                 linear_qkv=linear_qkv,
                 core_attention=SDPACoreAttention,
-                linear_proj=RowParallelLinear,
+                linear_proj=RowLinear,
                 q_layernorm=IdentityOp,
                 k_layernorm=IdentityOp,
             ),
@@ -98,14 +99,16 @@ def attention_spec(model: ModelConfig) -> ModuleSpec:
     return ModuleSpec(
         module=SynthesizerAttention,
         params={"attention": att, "seed": model.seed, "max_seq_length": model.seq_length},
-        submodules=SynthesizerSubmodules(linear_v=ColumnParallelLinear, linear_proj=RowParallelLinear),
+        submodules=SynthesizerSubmodules(linear_v=ColumnLinear, linear_proj=RowLinear),
     )
 
 
 def layer_spec(model: ModelConfig) -> ModuleSpec:
-    """megatron-core's local GPT layer with our attention submodule swapped in."""
+    """megatron-core's local GPT layer with our attention submodule and linears swapped in."""
     base = get_gpt_layer_local_spec(normalization=family_of(model).normalization)
-    submodules = dataclasses.replace(base.submodules, self_attention=attention_spec(model))
+    mlp = dataclasses.replace(base.submodules.mlp, submodules=dataclasses.replace(
+        base.submodules.mlp.submodules, linear_fc1=ColumnLinear, linear_fc2=RowLinear))
+    submodules = dataclasses.replace(base.submodules, self_attention=attention_spec(model), mlp=mlp)
     return dataclasses.replace(base, submodules=submodules)
 
 

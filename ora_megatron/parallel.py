@@ -34,6 +34,13 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = N
             tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
 
 
+def tp_rank_size(tp_group) -> tuple[int, int]:
+    """(rank, size) in a tensor-parallel group; no group is one rank."""
+    if tp_group is None:
+        return 0, 1
+    return tp_group.rank(), tp_group.size()
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -21,12 +21,12 @@ from typing import Callable, Optional
 import torch
 import torch.utils.checkpoint
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import build_module
 
 from ora_megatron.builder import HostRotaryEmbedding, layer_spec, padded_vocab_size, transformer_config
 from ora_megatron.families import family_of
+from ora_megatron.linear import ColumnLinear
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 
 
@@ -93,7 +93,7 @@ class OutputStage(torch.nn.Module):
         super().__init__()
         seed_stage(model.seed, "output")
         config = transformer_config(model, parallel)
-        self.output_layer = ColumnParallelLinear(
+        self.output_layer = ColumnLinear(
             model.hidden_size, padded_vocab_size(model), config=config, init_method=config.init_method,
             bias=False, skip_bias_add=False, gather_output=False)
 

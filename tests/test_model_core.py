@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-from model_fixtures import SEQ, VARIANTS, all_cases, build, megatron_gpt_model, tiny_model, tokens
+from model_fixtures import BATCH, SEQ, VARIANTS, all_cases, build, megatron_gpt_model, tiny_model, tokens
 from torch.utils.flop_counter import FlopCounterMode
 
 from ora_megatron.attention import RandomQKVLinear
+from ora_megatron.linear import ColumnLinear, RowLinear
 from ora_megatron.model_config import ParallelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 
@@ -131,6 +132,44 @@ def test_ablation_a2_trainability_flags():
         for m in qkv_linears(build(variant)):
             assert m.q_weight.requires_grad == q_trainable
             assert m.k_weight.requires_grad == k_trainable
+
+
+@pytest.mark.parametrize("case", [("gpt2", "vanilla"), ("gpt2", "ora_qr"), ("gpt2", "synthesizer_factorized"),
+                                  ("llama", "vanilla")], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_one_rank_linears_compute_what_megatrons_do(case):
+    """On one TP rank our linears are torch's linear with the bias folded in; megatron's own forward
+    (separate bias adds, its autograd functions) gives the same logits and gradients to fp32 rounding."""
+    family, variant = case
+    model = build(variant, family)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+    assert len(linears) >= 3 * tiny_model(variant, family).num_layers  # + fc1 and fc2 in every layer
+
+    def logits_and_grads(one_rank: bool):
+        for m in linears:
+            m.one_rank = one_rank
+        model.zero_grad()
+        logits = model(tokens(1))
+        logits.float().pow(2).mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ours, ours_grads = logits_and_grads(True)
+    megatron, megatron_grads = logits_and_grads(False)
+    torch.testing.assert_close(ours, megatron, rtol=1e-5, atol=1e-6)
+    assert ours_grads.keys() == megatron_grads.keys()
+    for name in ours_grads:
+        torch.testing.assert_close(ours_grads[name], megatron_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_one_rank_linears_fold_the_bias_megatron_hands_back():
+    """linear_proj and the MLP's linears are built with skip_bias_add: megatron returns their bias for
+    the caller to add; on one rank ours add it inside the GEMM and return None."""
+    skip_bias = [m for m in build("vanilla").modules() if isinstance(m, (ColumnLinear, RowLinear)) and m.skip_bias_add]
+    assert len(skip_bias) == 3 * 2
+    for m in skip_bias:
+        x = torch.randn(SEQ, BATCH, m.weight.size(1))
+        out, bias = m(x)
+        assert bias is None
+        torch.testing.assert_close(out, x @ m.weight.t() + m.bias)
 
 
 @pytest.mark.parametrize("case", [("gpt2", "ora_qr"), ("gpt2", "synthesizer_factorized"), ("llama", "ora_hadamard")],
