@@ -92,12 +92,23 @@ def keep_fp32_clip_norm(engine, record: Callable[[torch.Tensor, bool], None]) ->
     this engine instance by the very same call that keeps the norm — the gradients are clipped
     exactly as before. `covers_local_grads`: the norm summed every gradient of this rank, which
     clip_grad_norm_ does on model-parallel rank 0 only (it leaves replicated weights to that rank).
+
+    A job of one process takes torch's clipping instead (`get_total_norm` + `clip_grads_with_norm_`,
+    foreach): the same formula — total 2-norm, coefficient max_norm / (norm + 1e-6) capped at 1,
+    every gradient scaled by it — without DeepSpeed's two all-reduces over one rank and its
+    per-tensor Python loops (~0.7 ms a step at nanoGPT's shakespeare size).
     """
     if not callable(getattr(engine, "clip_fp32_gradients", None)):
         raise RuntimeError("this DeepSpeed has no DeepSpeedEngine.clip_fp32_gradients: re-check keep_fp32_clip_norm")
 
     def clip_fp32_gradients() -> None:
         mpu = engine.mpu
+        if torch.distributed.get_world_size() == 1:
+            params = [p for p in engine.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), norm, foreach=True)
+            record(norm, True)
+            return
         norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=mpu)
         record(norm, mpu is None or mpu.get_model_parallel_rank() == 0)
 

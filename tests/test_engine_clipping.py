@@ -1,0 +1,49 @@
+"""A one-process job clips its gradients with torch's foreach clipping: what DeepSpeed's computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.runtime.utils import clip_grad_norm_
+
+from ora_megatron.model_config import ModelConfig
+from ora_megatron.parallel import destroy_distributed, init_distributed
+from pretrain.config import OptimizerConfig, RunConfig, TrainConfig
+from pretrain.ds_internals import keep_fp32_clip_norm
+from pretrain.engine import build_engine, lm_loss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_process_group():
+    init_distributed(1, 1, backend="gloo")
+    yield
+    destroy_distributed()
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clipping", "not-clipping"])
+def test_one_process_clipping_equals_deepspeeds(max_norm):
+    cfg = RunConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16,
+                                      vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0),
+                    train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=10),
+                    optimizer=OptimizerConfig(clip_grad=max_norm))
+    eng = build_engine(cfg, grad_accum=1)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    eng.backward(lm_loss(eng.engine(tokens), (tokens, torch.ones_like(tokens))), last_micro_batch=True)
+    params = [p for p in eng.module.parameters() if p.grad is not None]
+    grads = [p.grad.clone() for p in params]
+
+    recorded = []
+    keep_fp32_clip_norm(eng.engine, lambda norm, covers_local: recorded.append((norm, covers_local)))
+    eng.engine.clip_fp32_gradients()  # what the engine calls before the optimizer step
+    ours = [p.grad.clone() for p in params]
+    for p, g in zip(params, grads):
+        p.grad.copy_(g)
+    deepspeed_norm = clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=eng.engine.mpu)
+
+    (norm, covers_local), = recorded
+    assert covers_local
+    torch.testing.assert_close(norm, deepspeed_norm.reshape(norm.shape), rtol=1e-6, atol=0)
+    for mine, theirs in zip(ours, (p.grad for p in params)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0)
+    clipped = any(not torch.equal(mine, g) for mine, g in zip(ours, grads))
+    assert clipped == (norm.item() > max_norm)
