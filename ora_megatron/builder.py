@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -103,11 +104,20 @@ def attention_spec(model: ModelConfig) -> ModuleSpec:
     )
 
 
+class LocalLinears(LocalSpecProvider):
+    """megatron-core's local backend (the one get_gpt_layer_local_spec uses) with our linears."""
+
+    def column_parallel_linear(self) -> type:
+        return ColumnLinear
+
+    def row_parallel_linear(self) -> type:
+        return RowLinear
+
+
 def layer_spec(model: ModelConfig) -> ModuleSpec:
     """megatron-core's local GPT layer with our attention submodule and linears swapped in."""
     base = get_gpt_layer_local_spec(normalization=family_of(model).normalization)
-    mlp = dataclasses.replace(base.submodules.mlp, submodules=dataclasses.replace(
-        base.submodules.mlp.submodules, linear_fc1=ColumnLinear, linear_fc2=RowLinear))
+    mlp = get_mlp_module_spec_for_backend(backend=LocalLinears())
     submodules = dataclasses.replace(base.submodules, self_attention=attention_spec(model), mlp=mlp)
     return dataclasses.replace(base, submodules=submodules)
 
