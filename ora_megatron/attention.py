@@ -81,24 +81,25 @@ class _FusedQKV(torch.autograd.Function):
 
     Backward: dX = dY·W always; dW only for the weights that require grad, each from its own
     slice of dY. Frozen Q/K thus skip their weight-gradient GEMMs (2·d² of ~6·d² per token).
+    The parameters are saved, not W: W is interleaved again in backward rather than kept alive
+    from forward (3·d² per layer, more than the copy costs).
     """
 
     @staticmethod
     def forward(ctx, x, q_weight, k_weight, v_weight, v_bias, groups: int):
-        weight = _interleave(q_weight, k_weight, v_weight, groups)
         bias = None
         if v_bias is not None:
             zeros_qk = v_bias.new_zeros(groups, (q_weight.size(0) + k_weight.size(0)) // groups)
             bias = torch.cat([zeros_qk, v_bias.view(groups, -1)], dim=1).view(-1)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, q_weight, k_weight, v_weight)
         ctx.shapes = (groups, q_weight.size(0) // groups, k_weight.size(0) // groups)
-        return F.linear(x, weight, bias)
+        return F.linear(x, _interleave(q_weight, k_weight, v_weight, groups), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, q_weight, k_weight, v_weight = ctx.saved_tensors
         groups, q_rows, kv_rows = ctx.shapes
-        grad_x = grad_out.matmul(weight)
+        grad_x = grad_out.matmul(_interleave(q_weight, k_weight, v_weight, groups))
         g = grad_out.reshape(-1, groups, q_rows + 2 * kv_rows)
         x2d = x.reshape(-1, x.size(-1))
 

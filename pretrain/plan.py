@@ -279,8 +279,8 @@ def layer_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, devi
     attention output = output-projection input: h; MLP activation input and output: 8h) plus two
     1-byte dropout masks. Here the widths are the model's (GQA, FFN size, SwiGLU's 3 MLP tensors),
     TP divides the split ones (no sequence parallelism), and SDPA replaces the a·s² terms with its
-    fp32 log-sum-exp. Also counted: norm statistics (mean and 1/σ per token, fp32 on CUDA), RoPE's
-    rotated Q/K (llama), and ORA's fused [Q|K|V] weight, which its projection saves for backward.
+    fp32 log-sum-exp. Also counted: norm statistics (mean and 1/σ per token, fp32 on CUDA) and
+    RoPE's rotated Q/K (llama).
     On CPU (the tests) dropout keeps a mask of the training dtype and norm statistics are in it too.
     """
     e, tp, h = layout.dtype_bytes, layout.tensor, model.hidden_size
@@ -295,11 +295,7 @@ def layer_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, devi
     if model.hidden_dropout > 0:
         per_token += 2 * h * (1 if device == "cuda" else e)
     per_token += FP32 * model.num_attention_heads // tp  # SDPA's log-sum-exp
-    fused_qkv_weight = 0
-    if model.attention.custom_qkv and not (model.attention.type == "ora"
-                                           and model.attention.orthogonal_method == "hadamard"):
-        fused_qkv_weight = e * (q_width + 2 * kv_width) // tp * h
-    return tokens * per_token + fused_qkv_weight
+    return tokens * per_token
 
 
 def head_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, first: bool, last: bool,
