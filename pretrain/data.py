@@ -88,17 +88,23 @@ def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple
 
 
 def check_data(cfg: RunConfig) -> None:
-    """Every dataset exists and gives each of its splits at least one document.
+    """The tokenizer fits the embedding, and every dataset exists and gives each of its splits at
+    least one document.
 
     Runs in the launching process, before any worker: megatron-core raises deep inside worker
-    startup for a missing file, and loops forever on a split that rounds to zero documents.
+    startup for a missing file, and loops forever on a split that rounds to zero documents; a token
+    id past the embedding fails in the first forward (CPU) or as a device-side assert (GPU).
     """
     if cfg.data.mock:
         return
     key = "data." + cfg.data.sources[0]
     if tokenizer_path(cfg) is None:
         raise ConfigError("data.tokenizer", "a sentencepiece model is needed to read indexed datasets")
-    config = dataset_config(cfg, build_tokenizer(cfg), cache_dir=Path("."))
+    tokenizer = build_tokenizer(cfg)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
+                                              f"{tokenizer.vocab_size} ids ({tokenizer_path(cfg)})")
+    config = dataset_config(cfg, tokenizer, cache_dir=Path("."))
     for prefix, matrix in _datasets_and_splits(cfg, config):
         if not (Path(prefix + ".idx").exists() and Path(prefix + ".bin").exists()):
             raise ConfigError(key, f"no indexed dataset at {prefix} (.bin/.idx)")

@@ -44,5 +44,15 @@ def test_split_without_documents_is_a_config_error(tmp_path, shards):
     assert "data.blend" in out.stderr and "holds none of its" in out.stderr
     missing = write_config(tmp_path, TINY_RUN.replace("data: {mock: true}", "data: {blend: [{path: /nope/x}], "
                                                       f"tokenizer: {shards.parent / 'tok' / 'sp.model'}}}"))
-    out = run(missing, tmp_path / "never", check=False, timeout=60)
+    out = run(missing, tmp_path / "never", ["model.vocab_size=400"], check=False, timeout=60)
     assert out.returncode == 2 and "no indexed dataset at /nope/x" in out.stderr
+
+
+def test_vocab_smaller_than_the_tokenizer_is_a_config_error(tmp_path, shards):
+    """Caught before any worker starts, not as an index error in the first forward."""
+    out = run(write_config(tmp_path), tmp_path / "never",
+              [f"data.manifest={shards}/manifest.json", "data.mock=false", "model.vocab_size=300"],
+              check=False, timeout=60)
+    assert out.returncode == 2
+    assert "model.vocab_size" in out.stderr and "smaller than the tokenizer's 400 ids" in out.stderr
+    assert not (tmp_path / "never" / "metrics.jsonl").exists()
