@@ -98,12 +98,13 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.data.mock:
         return
     key = "data." + cfg.data.sources[0]
-    if tokenizer_path(cfg) is None:
+    path = tokenizer_path(cfg)
+    if path is None:
         raise ConfigError("data.tokenizer", "a sentencepiece model is needed to read indexed datasets")
     tokenizer = build_tokenizer(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
-                                              f"{tokenizer.vocab_size} ids ({tokenizer_path(cfg)})")
+                                              f"{tokenizer.vocab_size} ids ({path})")
     config = dataset_config(cfg, tokenizer, cache_dir=Path("."))
     for prefix, matrix in _datasets_and_splits(cfg, config):
         if not (Path(prefix + ".idx").exists() and Path(prefix + ".bin").exists()):
