@@ -124,13 +124,14 @@ def _interleave(q_weight, k_weight, v_weight, groups: int) -> torch.Tensor:
 class _HadamardQKV(torch.autograd.Function):
     """Frozen Hadamard Q and K plus a V GEMM, written into megatron's interleaved layout.
 
-    Forward: the rows of [x·D_q·H | x·D_k·H] (HadamardRows, two small contractions), then one
-    gather writes each group's Q and K columns (their permutations and this rank's heads are in
-    `qk_block`/`qk_offset`) straight into the output; V's GEMM result is copied beside them.
-    Backward: one gather pulls the Q/K slots of the output gradient back into row order
-    (`row_index`; `row_mask` zeroes the positions no column of this rank came from), the
-    transposed contractions give their input gradient, and V adds dX += dV·W_V plus its weight and
-    bias gradients. Q/K have no weights here: nothing to differentiate.
+    Forward (HadamardRows.columns, a chunk of tokens at a time): the rows of [x·D_q·H | x·D_k·H] (two
+    small contractions), then one gather writes each group's Q and K columns (their permutations
+    and this rank's heads are in `qk_block`/`qk_offset`) straight into the output; V's GEMM result
+    is copied beside them. Backward (HadamardRows.columns_transposed): one gather pulls the Q/K slots
+    of the output gradient back into row order (`row_index`; `row_mask` zeroes the positions no
+    column of this rank came from), the transposed contractions give their input gradient, and V
+    adds dX += dV·W_V plus its weight and bias gradients. Q/K have no weights here: nothing to
+    differentiate.
     """
 
     @staticmethod
@@ -139,7 +140,7 @@ class _HadamardQKV(torch.autograd.Function):
         t = x2d.size(0)
         groups, qk_width = qk_block.shape
         out = x.new_empty(t, groups, qk_width + v_weight.size(0) // groups)
-        kernel.take(kernel.rows(x2d).to(x.dtype), qk_block, qk_offset, out=out[:, :, :qk_width])
+        kernel.columns(x2d, qk_block, qk_offset, out=out[:, :, :qk_width])
         out[:, :, qk_width:] = F.linear(x2d, v_weight, v_bias).view(t, groups, -1)
         ctx.kernel, ctx.x_shape, ctx.layout = kernel, x.shape, (groups, qk_width)
         ctx.save_for_backward(x2d, v_weight, row_index, row_mask)
@@ -155,11 +156,7 @@ class _HadamardQKV(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:
-            # Token-major: each token's gradient row is read once (a block-major gather re-reads it a times).
-            grad_rows = torch.gather(g.view(t, 1, -1).expand(t, kernel.a, -1), 2, row_index.expand(t, -1, -1))
-            if row_mask is not None:
-                grad_rows.mul_(row_mask)
-            grad_x = kernel.rows_transposed(grad_rows.view(t, -1)).to(x2d.dtype)
+            grad_x = kernel.columns_transposed(g, row_index, row_mask, out=x2d.new_empty(x2d.shape))
             # out= rather than addmm_: the same BLAS call, and FlopCounterMode counts it.
             grad_x = torch.addmm(grad_x, grad_v, v_weight, out=grad_x).view(ctx.x_shape)
         if need_w:
@@ -236,21 +233,15 @@ class RandomQKVLinear(torch.nn.Module):
             offsets.append(offset.view(self.groups, -1))
         # [groups, q rows of a group + k rows], megatron's order
         qk_block, qk_offset = torch.cat(blocks, dim=1), torch.cat(offsets, dim=1)
-        # Inverse map for the backward: token-major row position -> offset of its column in an output row.
-        positions = (qk_block * kernel.width + qk_offset).reshape(-1)
-        out_width = qk_block.size(1) + hd
-        row_index = torch.zeros(kernel.a * kernel.width, dtype=torch.long)
-        row_mask = torch.zeros(row_index.numel())
-        row_index[positions] = (torch.arange(self.groups)[:, None] * out_width
-                                + torch.arange(qk_block.size(1))).reshape(-1)
-        row_mask[positions] = 1.0
+        # For the backward: where each column's gradient sits in an output row.
+        slots = torch.arange(self.groups)[:, None] * (qk_block.size(1) + hd) + torch.arange(qk_block.size(1))
+        row_index, row_mask = kernel.gather_map(qk_block, qk_offset, slots)
         self.hadamard = kernel
         # Non-persistent: regenerated from the seed like the transforms, moved with the module.
         self.register_buffer("qk_block", qk_block, persistent=False)
         self.register_buffer("qk_offset", qk_offset, persistent=False)
-        self.register_buffer("row_index", row_index.view(1, kernel.a, -1), persistent=False)
-        self.register_buffer("row_mask", None if bool(row_mask.all()) else row_mask.view(kernel.a, -1),
-                             persistent=False)
+        self.register_buffer("row_index", row_index, persistent=False)
+        self.register_buffer("row_mask", row_mask, persistent=False)
 
     def local_weight(self, role: str) -> torch.Tensor:
         """This rank's heads of the regenerated Q or K weight of this layer."""

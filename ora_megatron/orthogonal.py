@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from typing import Optional
 
 import torch
 
@@ -24,6 +25,9 @@ _PALEY_PRIME = {12: 11, 20: 19, 28: 13, 36: 17, 44: 43}
 HADAMARD_BASE_ORDERS = (1, 2, *_PALEY_PRIME)
 
 INITS = ("orthogonal", "gaussian", "uniform")
+# Bytes of Hadamard intermediates per token chunk on CPU: 512 tokens at d 512, which with 256-1024 measured
+# fastest on the 2-core machines this was tuned on (L2 2 × 512 KiB, L3 8 MiB; pretrain/benchmarks/hadamard_chunks.py).
+CPU_CHUNK_BYTES = 2 << 20
 
 
 def seeded_generator(seed: int, layer: int, role: str) -> torch.Generator:
@@ -217,7 +221,8 @@ class HadamardRows(torch.nn.Module):
     layout needs a batched GEMM writing a strided output, which torch runs as one BLAS call per
     batch: fine on one thread, many times slower with several under load.) Callers pick the
     columns they need with `take`; `rows_transposed` is the adjoint, the input gradient, from a
-    token-major gradient. Neither records autograd: callers wrap them in an autograd.Function.
+    token-major gradient. `columns` and `columns_transposed` run them a chunk of tokens at a time
+    (`chunk_tokens`). None records autograd: callers wrap them in an autograd.Function.
     The ±1 factors are exact in every dtype (bf16/fp16 casts of the module change nothing); the
     arithmetic runs in fp32 or wider, as a GEMM would accumulate.
     """
@@ -236,6 +241,9 @@ class HadamardRows(torch.nn.Module):
         # Every entry of the product is ±scale: with scale = fp32(1/√d) these are exactly the
         # entries of the dense fp32 matrix (`RandomizedHadamard.dense`), in any compute dtype.
         self.scale = torch.tensor(1 / math.sqrt(d), dtype=torch.float32).item()
+        # On CPU, tokens in chunks whose fp32 intermediate [tokens, R·d] is CPU_CHUNK_BYTES: each
+        # contraction and gather then reads what the previous one wrote from cache, not memory.
+        self.chunk_tokens = max(1, CPU_CHUNK_BYTES // (4 * self.roles * d))
 
     def position(self, role: int, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block i, offset r·b + j) of column c = i·b + j of transform `role` (before any permutation).
@@ -267,14 +275,56 @@ class HadamardRows(torch.nn.Module):
         index = (block * (t * self.width) + offset).expand(t, *block.shape)
         return torch.gather(source, -1, index, out=out)
 
-    def rows_transposed(self, grad: torch.Tensor) -> torch.Tensor:
-        """The adjoint of `rows` from a token-major gradient: [T, a·R·b] -> [T, d], summed over the transforms."""
+    def rows_transposed(self, grad: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The adjoint of `rows` from a token-major gradient: [T, a·R·b] -> [T, d] (`out`, contiguous,
+        any dtype; grad's by default), summed over the transforms."""
         first, outer = self._factors(torch.promote_types(grad.dtype, torch.float32))
         t = grad.size(0)
         blocks = grad.to(first.dtype).view(t, self.a, self.width).transpose(0, 1).reshape(self.a, -1)
         gz = torch.mm(outer, blocks).view(self.a, t, self.width)
         gx = torch.bmm(gz, first.transpose(1, 2))  # [k, t, l]
-        return gx.transpose(0, 1).reshape(t, self.d)
+        out = grad.new_empty(t, self.d) if out is None else out
+        out.view(t, self.a, self.b).copy_(gx.transpose(0, 1))
+        return out
+
+    def gather_map(self, block: torch.Tensor, offset: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(index [1, a, R·b], mask [a, R·b] or None): how `columns_transposed` gathers a token's gradient
+        row into token-major row order, for columns (block, offset) whose gradients sit at `slots` of
+        that row; positions no column came from are masked to zero (None: every position is used)."""
+        positions = (block * self.width + offset).reshape(-1)
+        index = torch.zeros(self.a * self.width, dtype=torch.long, device=block.device)
+        mask = torch.zeros(index.numel(), device=block.device)
+        index[positions] = slots.reshape(-1).to(index.device)
+        mask[positions] = 1.0
+        return index.view(1, self.a, -1), None if bool(mask.all()) else mask.view(self.a, -1)
+
+    def _chunks(self, x: torch.Tensor) -> list[slice]:
+        """Token ranges to process at once: chunks on CPU (its caches), all tokens on an accelerator
+        (a kernel launch per chunk would cost more there than the memory traffic it saves)."""
+        t = x.size(0)
+        step = self.chunk_tokens if x.device.type == "cpu" else max(t, 1)
+        return [slice(start, start + step) for start in range(0, t, step)]
+
+    def columns(self, x: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[t, *n] = take(rows(x), block, offset)[t, *n] for x [T, d], in out's dtype."""
+        for chunk in self._chunks(x):
+            self.take(self.rows(x[chunk]).to(out.dtype), block, offset, out=out[chunk])
+        return out
+
+    def columns_transposed(self, grad: torch.Tensor, index: torch.Tensor, mask: Optional[torch.Tensor],
+                         out: torch.Tensor) -> torch.Tensor:
+        """The input gradient [T, d] (into `out`) from gradient rows [T, W] holding the columns' gradients
+        where `gather_map` says."""
+        for chunk in self._chunks(grad):
+            g = grad[chunk]
+            t = g.size(0)
+            # Token-major: each token's gradient row is read once (a block-major gather re-reads it a times).
+            rows = torch.gather(g.view(t, 1, -1).expand(t, self.a, -1), 2, index.expand(t, -1, -1))
+            if mask is not None:
+                rows.mul_(mask)
+            self.rows_transposed(rows.view(t, -1), out=out[chunk])
+        return out
 
 
 class _HadamardColumns(torch.autograd.Function):
@@ -284,15 +334,14 @@ class _HadamardColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rows: HadamardRows, block, offset):
         ctx.rows, ctx.dtype = rows, x.dtype
-        ctx.save_for_backward(block * rows.width + offset)  # the columns' token-major positions
-        return rows.take(rows.rows(x), block, offset).to(x.dtype)
+        ctx.save_for_backward(*rows.gather_map(block, offset, torch.arange(block.numel())))
+        return rows.columns(x, block, offset, out=x.new_empty(x.size(0), *block.shape))
 
     @staticmethod
     def backward(ctx, grad):
-        (positions,) = ctx.saved_tensors
-        rows = ctx.rows
-        full = grad.new_zeros(grad.size(0), rows.a * rows.width).index_copy_(1, positions, grad)
-        return rows.rows_transposed(full).to(ctx.dtype), None, None, None
+        index, mask = ctx.saved_tensors
+        out = grad.new_empty(grad.size(0), ctx.rows.d, dtype=ctx.dtype)
+        return ctx.rows.columns_transposed(grad.contiguous(), index, mask, out), None, None, None
 
 
 class RandomizedHadamard(torch.nn.Module):

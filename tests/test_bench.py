@@ -103,3 +103,19 @@ def test_bench_refuses_bad_arms_and_parallel_configs(tmp_path, capsys):
     assert "unknown arm 'ora_givens'" in capsys.readouterr().err
     assert main(["--config", str(config), "--set", "parallel.tensor=2"]) == 2
     assert "one process" in capsys.readouterr().err
+
+
+def test_hadamard_chunks_benchmark_times_every_chunk_size(tmp_path, capsys):
+    """pretrain/benchmarks/hadamard_chunks.py: a row per chunk size, one chunk of all tokens among them."""
+    from pretrain.benchmarks.hadamard_chunks import main as chunks_main
+
+    out = tmp_path / "chunks.json"
+    argv = ["--d-model", "24", "--tokens", "10", "--chunks", "4,3", "--repeats", "2", "--json", str(out)]
+    assert chunks_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["chunk_tokens"] for r in report["rows"]] == [10, 4, 3]
+    whole = report["rows"][0]
+    assert whole["forward_speedup"] == whole["input_grad_speedup"] == 1.0
+    assert all(r["forward_ms"] > 0 and r["input_grad_ms"] > 0 for r in report["rows"])
+    assert report["default_chunk_tokens"] > 10 and not any(r["default"] for r in report["rows"])
+    assert "input grad ms" in capsys.readouterr().out

@@ -399,6 +399,42 @@ def test_hadamard_qkv_tensor_parallel_slices_match_dense(tp, groups):
         assert (linear.row_mask is None) == (tp == 1 and groups == 8)
 
 
+
+@pytest.mark.parametrize("tp,groups", [(1, 8), (2, 4)])  # (2, 4): some positions masked
+def test_hadamard_token_chunks_change_nothing(tp, groups):
+    """On CPU the transforms run a chunk of tokens at a time (the last chunk shorter): forward and
+    input gradient equal the one-chunk results, in the fused Q/K/V path and the general transform."""
+    from ora_megatron.attention import RandomQKVLinear, _HadamardQKV
+    from ora_megatron.builder import transformer_config
+    from ora_megatron.model_config import AttentionConfig, ModelConfig, ParallelConfig
+
+    model = ModelConfig(hidden_size=64, num_attention_heads=8, num_query_groups=groups,
+                        attention=AttentionConfig(type="ora", orthogonal_method="hadamard"))
+    config = transformer_config(model, ParallelConfig(tensor=tp))
+    linear = RandomQKVLinear(64, 0, config=config, init_method=config.init_method, bias=True,
+                             attention=model.attention, seed=5, tp_group=_FakeTensorParallelGroup(tp - 1, tp))
+    linear.generate_qk(3)
+    transform = RandomizedHadamard(64, torch.Generator().manual_seed(0))
+    x = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(0))
+
+    def run(chunk_tokens: int):
+        linear.hadamard.chunk_tokens = transform.kernel.chunk_tokens = chunk_tokens
+        xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        fused = _HadamardQKV.apply(xs[0], linear.v_weight, linear.v_bias, linear.hadamard, linear.qk_block,
+                                   linear.qk_offset, linear.row_index, linear.row_mask)
+        general = transform(xs[1])
+        for y, seed in ((fused, 1), (general, 2)):
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)))
+        return fused, general, xs[0].grad, xs[1].grad
+
+    in_chunks, at_once = run(5), run(12)
+    assert len(linear.hadamard._chunks(x.view(12, 64))) == 1
+    linear.hadamard.chunk_tokens = 5
+    assert len(linear.hadamard._chunks(x.view(12, 64))) == 3
+    for chunked, whole in zip(in_chunks, at_once):
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+        assert chunked.abs().max() > 0
+
 def test_hadamard_fast_path_follows_trainability(process_group):
     """Trainable Q/K (A2 flags, a freeze schedule) use their weights; frozen again at other values,
     the check of the new frozen spell keeps the dense path; frozen at the regenerated values
