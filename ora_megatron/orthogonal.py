@@ -313,7 +313,7 @@ class HadamardRows(torch.nn.Module):
         return out
 
     def columns_transposed(self, grad: torch.Tensor, index: torch.Tensor, mask: Optional[torch.Tensor],
-                         out: torch.Tensor) -> torch.Tensor:
+                           out: torch.Tensor) -> torch.Tensor:
         """The input gradient [T, d] (into `out`) from gradient rows [T, W] holding the columns' gradients
         where `gather_map` says."""
         for chunk in self._chunks(grad):
