@@ -41,6 +41,7 @@ class TrainState:
     evals_without_improvement: int = 0
     freeze_stage: int = -1  # -1: the attention config's own trainability
     scheduler: dict = field(default_factory=dict)
+    train_time_s: float = 0.0  # training-loop wall time of every segment of the run, up to this checkpoint
 
 
 class Checkpointer:

@@ -79,7 +79,7 @@ class Summary:
     final_train_loss: float
     final_valid_loss: Optional[float]
     final_test_loss: Optional[float]  # None when preempted or without a test split
-    wall_time_s: float
+    wall_time_s: float  # the training loop's, summed over the run's segments (resumes add to it)
     steps: int
     stopped_early: bool
     preempted: bool

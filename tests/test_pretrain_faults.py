@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -42,10 +43,16 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     proc = subprocess.Popen(command(config, interrupted, overrides, nproc=2), cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _wait_for_step(interrupted, 12, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    _kill_job(proc)
     killed_at = max(r.step for r in records(interrupted))
     assert killed_at < 40
+    # The checkpoint carries the training time so far; make it large, so the resumed run's summary
+    # can only be right by adding to it.
+    tag = RunDir(interrupted).latest_checkpoint()
+    state = RunDir(interrupted).read_train_state(tag)
+    assert state["train_time_s"] > 0
+    RunDir(interrupted).write_train_state(tag, {**state, "train_time_s": 1e4})
+    RunDir(interrupted).write_integrity_record(tag)
     run(config, interrupted, overrides, nproc=2)  # the same command resumes from the latest checkpoint
 
     expected = losses_by_step(reference)
@@ -54,6 +61,7 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     for r in resumed:  # every logged step, before and after the kill, bitwise equal (fp32, CPU)
         assert r.loss == expected[r.step], f"step {r.step}"
     assert summary(interrupted).final_test_loss == summary(reference).final_test_loss
+    assert 1e4 < summary(interrupted).wall_time_s < 1e4 + 900 and summary(reference).wall_time_s < 900
     assert RunDir(interrupted).checkpoint_tags() == ["step00000035", "step00000040"], "keep_last=2 prunes the rest"
 
     finished = RunDir(reference).summary.read_text()
@@ -199,8 +207,7 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
                             cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _wait_for_step(run_dir, 3, proc)
-    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                and _parent(int(p.name)) == proc.pid]
+    children = _workers(proc)
     assert len(children) == 2, children
     os.kill(children[1], signal.SIGKILL)
     started = time.time()
@@ -211,6 +218,25 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert time.time() - started < 90
+
+
+def _workers(proc) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == proc.pid]
+
+
+def _kill_job(proc) -> None:
+    """SIGKILL the launcher and its workers, as a machine failure would. torchrun starts each worker
+    in its own session, so the launcher's process group alone would leave them training on."""
+    workers = _workers(proc)
+    assert workers, "no workers to kill"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while any(Path(f"/proc/{pid}").exists() and _parent(pid) != -1 for pid in workers) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 def _parent(pid: int) -> int:
