@@ -135,6 +135,10 @@ class Trainer:
         preemption = Preemption()
         # Wall time adds up over segments: a resumed run starts from its checkpoint's.
         segment_start, time_before, train_loss = time.time(), state.train_time_s, float("nan")
+
+        def train_time_s() -> float:
+            return time_before + time.time() - segment_start
+
         stopped_early = preempted = False
         timer, loss, loss_reduced = IterationTimer(), None, False
         while state.step < cfg.steps:
@@ -161,7 +165,7 @@ class Trainer:
                 stopped_early = not too_many_skips and evaluator.after_step(self.eng, state)
             preempted = preemption.agreed()
             final = state.step == cfg.steps or too_many_skips or stopped_early or preempted
-            state.train_time_s = time_before + time.time() - segment_start
+            state.train_time_s = train_time_s()
             with timer.paused():
                 self.checkpointer.save_if_due(self.eng, state, final=final)
             if too_many_skips:
@@ -176,7 +180,7 @@ class Trainer:
         trainable, frozen = self.param_counts
         return Summary(
             final_train_loss=train_loss, final_valid_loss=evaluator.last_valid_loss, final_test_loss=test_loss,
-            wall_time_s=time_before + time.time() - segment_start, steps=state.step, stopped_early=stopped_early,
+            wall_time_s=train_time_s(), steps=state.step, stopped_early=stopped_early,
             preempted=preempted, tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps,
             trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank())
 
