@@ -15,9 +15,11 @@ the checkpoint cannot take.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ from pretrain.run_dir import RunDir
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # DeepSpeed's OpenMPI and SLURM backends start every rank themselves (mpirun, srun) and leave the
 # torch variables to deepspeed.init_distributed's MPI discovery, which this entry point does not use;
@@ -157,6 +160,25 @@ def adopt_scheduler_ranks(environ=os.environ) -> None:
     environ.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local_rank)
 
 
+def die_with_launcher() -> None:
+    """Have the kernel SIGKILL this worker when its launcher dies.
+
+    torchrun starts workers in their own sessions, so a launcher killed hard (the OOM killer, a
+    `kill -9`) would leave them training beside whatever job replaces it, both writing the run dir.
+    PR_SET_PDEATHSIG fires when the thread that started us exits: torch elastic's agent and
+    DeepSpeed's launch.py start workers from their main thread, which lives until the workers end.
+    A launcher that stops its workers itself (SIGTERM, a failed rank) still does so first.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the launcher died before the setting took
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -168,6 +190,8 @@ def main(argv=None) -> int:
     except (ConfigError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if under_launcher:
+        die_with_launcher()
     try:
         from pretrain.data import check_data
 

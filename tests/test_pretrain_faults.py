@@ -45,7 +45,7 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     _wait_for_step(interrupted, 12, proc)
     _kill_job(proc)
     killed_at = max(r.step for r in records(interrupted))
-    assert killed_at < 40
+    assert killed_at < 40, "the workers trained on after their launcher was killed"
     # The checkpoint carries the training time so far; make it large, so the resumed run's summary
     # can only be right by adding to it.
     tag = RunDir(interrupted).latest_checkpoint()
@@ -225,18 +225,29 @@ def _workers(proc) -> list[int]:
 
 
 def _kill_job(proc) -> None:
-    """SIGKILL the launcher and its workers, as a machine failure would. torchrun starts each worker
-    in its own session, so the launcher's process group alone would leave them training on."""
+    """SIGKILL the launcher, as the OOM killer or a machine failure would. Its workers, which torchrun
+    starts in their own sessions, must die with it (pretrain_ora.die_with_launcher) rather than
+    train on beside the job that resumes the run."""
     workers = _workers(proc)
     assert workers, "no workers to kill"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    for pid in workers:
+    deadline = time.time() + 10  # the kernel signals them as the launcher exits
+    while any(_alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.05)
+    survivors = [pid for pid in workers if _alive(pid)]
+    for pid in survivors:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    deadline = time.time() + 60
-    while any(_parent(pid) != -1 for pid in workers) and time.time() < deadline:  # -1: gone
-        time.sleep(0.05)
+    assert not survivors, "workers outlived their SIGKILLed launcher"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not gone or a zombie waiting to be reaped."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _parent(pid: int) -> int:
