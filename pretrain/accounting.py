@@ -60,13 +60,23 @@ def parameter_counts(eng) -> tuple[int, int]:
     return int(counts[0].item()) // replicas, int(counts[1].item()) // replicas
 
 
+def held_bytes(tensors) -> int:
+    """Bytes of memory the contiguous tensors cover together: views of one buffer count once."""
+    total, end = 0, 0
+    for start, stop in sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors):
+        if stop > end:
+            total, end = total + stop - max(start, end), stop
+    return total
+
+
 def local_grad_bytes(engine) -> int:
     """Bytes of gradient this rank holds at the end of a step's backward (ZeRO partitions included)."""
-    return sum(t.numel() * t.element_size() for t in local_grad_tensors(engine))
+    return held_bytes(local_grad_tensors(engine))
 
 
-def allocated_state(engine, grad_bytes: int) -> dict:
-    """Adam-moment bytes this rank holds, read from the live tensors, and its gradient bytes."""
+def allocated_state(engine, grad_bytes: Optional[int]) -> dict:
+    """Adam-moment bytes this rank holds, read from the live tensors, and its gradient bytes (None
+    where unmeasured: the pipeline engine's train_batch has no point between backward and step)."""
     link_optimizer_fragments(engine)
     moments = [m for p in engine.module.parameters() if p.requires_grad for key in MOMENTS
                if (m := local_optimizer_state(engine, p, key)) is not None]

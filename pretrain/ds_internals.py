@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import clip_grad_norm_
-from deepspeed.utils import safe_get_local_grad, safe_get_local_optimizer_state
+from deepspeed.utils import safe_get_local_optimizer_state
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
@@ -23,6 +24,23 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
     `.optimizer` is the wrapper's attribute for the wrapped optimizer; there is no accessor.
     """
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def whole_tensor_masters(engine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
+    """{trainable parameter: the fp32 tensor torch's optimizer steps for it, keyed in its state} when
+    that is a whole tensor (ZeRO-0); None when DeepSpeed splits them into fragments (ZeRO-1/2/3 and
+    the bf16 optimizer of pipelines), reached through `deepspeed.utils.safe_*`.
+
+    In fp32 the parameter is its own master. In bf16/fp16 without ZeRO, DeepSpeed's unfused
+    optimizer steps fp32 copies (`fp32_groups[i][j]` of `fp16_groups[i][j]`), with no accessor.
+    """
+    wrapper = engine.optimizer
+    if wrapper is base_optimizer(engine):
+        return {p: p for group in wrapper.param_groups for p in group["params"]}
+    if isinstance(wrapper, FP16_UnfusedOptimizer):
+        return {low: high for lows, highs in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
+                for low, high in zip(lows, highs, strict=True)}
+    return None
 
 
 def link_optimizer_fragments(engine) -> None:
@@ -64,22 +82,26 @@ def local_optimizer_state(engine, param, key: str) -> Optional[torch.Tensor]:
     if hasattr(param, "_hp_mapping"):
         mapping = param._hp_mapping  # None, or no state yet: this rank holds none of it
         return mapping.get_optim_state_fragment(key) if mapping and key in mapping.get_optim_state_keys() else None
-    return base_optimizer(engine).state.get(param, {}).get(key)
+    master = (whole_tensor_masters(engine) or {}).get(param)
+    return base_optimizer(engine).state.get(master, {}).get(key)
 
 
 def local_grad_tensors(engine) -> Iterator[torch.Tensor]:
-    """The gradient storage this rank holds at the end of a step's backward.
+    """The gradient storage this rank holds at the end of a step's backward; views of one buffer
+    may repeat (count them with accounting.held_bytes).
 
-    ZeRO-2 keeps its reduced gradient partitions in the optimizer's `averaged_gradients`, not in
-    `param.grad`; ZeRO-3 exposes its partition through `safe_get_local_grad`.
+    ZeRO keeps reduced gradient partitions outside `param.grad`: in the optimizer's
+    `averaged_gradients`, and before the step ZeRO-2 in its flat `grads_in_partition`, ZeRO-3 in
+    `grad_partitions_flat_buffer`. (ZeRO-3's `safe_get_local_grad` is no storage of its own: a view
+    of that partition in fp32, or an fp32 copy of a bf16 one.)
     """
-    for p in engine.module.parameters():
-        if p.requires_grad:
-            grad = safe_get_local_grad(p) if hasattr(p, "ds_id") else p.grad
-            if grad is not None:
-                yield grad
+    yield from (p.grad for p in engine.module.parameters() if p.requires_grad and p.grad is not None)
     for grads in getattr(engine.optimizer, "averaged_gradients", {}).values():
         yield from (g for g in grads or () if g is not None)
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
+        buffer = getattr(engine.optimizer, name, None)
+        if torch.is_tensor(buffer):
+            yield buffer
 
 
 def keep_fp32_clip_norm(engine, record: Callable[[torch.Tensor, bool], None]) -> None:
@@ -210,12 +232,17 @@ def merged_fragments(fragment_dir, name: str, state: str, tp_degree: int) -> lis
     return _merge_zero_shards(os.path.join(str(fragment_dir), name), state, tp_degree)
 
 
-def torch_optimizer_state(model_states_file, client_key: str) -> tuple[dict, Optional[dict]]:
-    """ZeRO-0 in fp32: (the torch optimizer's state_dict, the client state saved under `client_key`) of
-    one model-parallel rank; DeepSpeed stores the former under `optimizer` in `mp_rank_*_model_states.pt`
-    (and `client_state` entries beside it)."""
+def torch_optimizer_state(model_states_file, client_key: str) -> tuple[dict, Optional[dict], Optional[list]]:
+    """ZeRO-0: (the torch optimizer's state_dict, the client state saved under `client_key`, the fp32
+    masters per group or None) of one model-parallel rank. DeepSpeed stores the state dict under
+    `optimizer` in `mp_rank_*_model_states.pt` (`client_state` entries beside it); in bf16/fp16 that
+    entry is its unfused optimizer's own dict, holding torch's (`optimizer_state_dict`) and the fp32
+    masters the weights were rounded from (`fp32_groups`, in the order of torch's groups)."""
     state = _load(model_states_file)
-    return state["optimizer"], state.get(client_key)
+    optimizer = state["optimizer"]
+    if "optimizer_state_dict" in optimizer:
+        return optimizer["optimizer_state_dict"], state.get(client_key), optimizer["fp32_groups"]
+    return optimizer, state.get(client_key), None
 
 
 def _load(path) -> dict:

@@ -20,7 +20,7 @@ from deepspeed.utils import (
 from ora_megatron.attention import RandomQKVLinear
 from pretrain.accounting import MOMENTS
 from pretrain.config import RunConfig
-from pretrain.ds_internals import base_optimizer, link_optimizer_fragments
+from pretrain.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
 from pretrain.engine import build_engine
 
 
@@ -70,14 +70,15 @@ def _capture(engine) -> tuple[dict, dict]:
     if not base.state:  # before the first step (on every rank alike): nothing to carry
         return {}, {}
     link_optimizer_fragments(engine)
-    sharded = base is not engine.optimizer  # ZeRO / bf16 wrapper: reach fragments via DeepSpeed
+    masters = whole_tensor_masters(engine)  # None: ZeRO fragments, reached through DeepSpeed
     for param in (p for p in engine.module.parameters() if p.requires_grad):
-        if sharded:
+        if masters is None:
             state = {key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}
             state["fp32"] = safe_get_full_fp32_param(param)
         else:
-            state = {key: base.state[param][key].clone() for key in MOMENTS if param in base.state}
-            state["fp32"] = param.detach().clone()
+            master = masters[param]
+            state = {key: base.state[master][key].clone() for key in MOMENTS if master in base.state}
+            state["fp32"] = master.detach().clone()
         if all(v is not None for v in state.values()) and len(state) == 3:
             per_param[id(param)] = {k: v.detach().cpu().clone() for k, v in state.items()}
     steps = {}
@@ -90,26 +91,29 @@ def _capture(engine) -> tuple[dict, dict]:
 
 def _restore(engine, per_param: dict, steps: dict) -> None:
     base = base_optimizer(engine)
-    sharded = base is not engine.optimizer
+    masters = whole_tensor_masters(engine)
     for group in base.param_groups:
         if group["name"] not in steps:
             continue
         for flat in group["params"]:  # lazily created by torch; create it with the carried step
             base.state[flat] = {"step": steps[group["name"]].clone(),
                                 "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-    if sharded:
+    if masters is None:
         link_optimizer_fragments(engine)  # to the state just created
     for param in engine.module.parameters():
         carried = per_param.get(id(param))
         if carried is None or not param.requires_grad:
             continue
-        if sharded:
+        if masters is None:
             for key in MOMENTS:
                 safe_set_full_optimizer_state(param, carried[key].to(param.device), key)
             safe_set_full_fp32_param(param, carried["fp32"].to(param.device))
-        else:
+        else:  # a new bf16/fp16 engine copied its fp32 masters from the rounded weights: restore them
+            master = masters[param]
             for key in MOMENTS:
-                base.state[param][key].copy_(carried[key])
+                base.state[master][key].copy_(carried[key])
+            with torch.no_grad():
+                master.copy_(carried["fp32"])
 
 
 def apply_freeze_stage(cfg: RunConfig, eng, index: int, grad_accum: int):

@@ -13,15 +13,16 @@ checkpoint once, before any worker starts, to a topology-free form cached in the
 one entry per optimizer-held parameter, under the `{stage}.{param}` names of the TP=1 model, full
 (TP shards merged along megatron's partition_dim / partition_stride, as consolidation does), fp32.
 Partitioned optimizer files are read with DeepSpeed's own extraction (pretrain/ds_internals.py); ZeRO-0
-in fp32 keeps torch's optimizer state dict, whose parameter order each checkpoint records
-(`optimizer_record`, saved as DeepSpeed client state).
+keeps torch's optimizer state dict (in bf16 beside DeepSpeed's fp32 copies of the weights), whose
+parameter order each checkpoint records (`optimizer_record`, saved as DeepSpeed client state).
 
 Workers of the new topology build their engine as for a fresh run; `load_converted` then sets every
 local trainable parameter's weight, fp32 master, Adam moments and its group's step, TP-sliced, through
-deepspeed.utils.safe_set_full_* (as freeze.py's optimizer hand-over does for ZeRO-0/1/2; ZeRO-3 keeps
-its Adam state elsewhere, see ds_internals.optimizer_flat_params), and reads them back through
-safe_get_full_* to check. Frozen Q/K are never state: they are regenerated as after every load. The
-data position is train_state.json's step (a step's samples depend on the step and the global batch).
+deepspeed.utils.safe_set_full_* (ZeRO-0 has no fragments: there torch's state of the tensor it steps,
+ds_internals.whole_tensor_masters; ZeRO-3 keeps its Adam state elsewhere, see
+ds_internals.optimizer_flat_params), and reads them back the same way to check. Frozen Q/K are
+never state: they are regenerated as after every load. The data position is train_state.json's step
+(a step's samples depend on the step and the global batch).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from pretrain.ds_internals import (
     merged_fragments,
     optimizer_flat_params,
     torch_optimizer_state,
+    whole_tensor_masters,
 )
 from pretrain.engine import PipelinedGPT, param_groups
 from pretrain.resume_check import ResumeRefused
@@ -69,7 +71,7 @@ from pretrain.run_dir import RunDir, write_text_atomic
 META = "meta.json"
 FORMAT_VERSION = 1
 OPTIMIZER_RECORD = "ora_optimizer_params"
-"""Client-state key: per torch optimizer group, the stage name of each parameter (ZeRO-0 in fp32)."""
+"""Client-state key: per torch optimizer group, the stage name of each parameter (ZeRO-0)."""
 STATES = ("fp32", *MOMENTS)
 
 
@@ -112,20 +114,23 @@ def record_topology(run_dir: RunDir, tag: str, topology: Topology) -> None:
 def optimizer_record(eng) -> dict:
     """Client state for `save_checkpoint`: which parameter each slot of a plain torch optimizer holds.
 
-    ZeRO-0 in fp32 saves torch's state dict, whose entries are numbered, not named (DeepSpeed saves
-    `param_shapes` only for its partitioned optimizers, which need no record). A tied module's copy on
-    a later pipeline stage is recorded as None: the first stage's copy is the one carried.
+    ZeRO-0 saves torch's state dict, whose entries are numbered, not named (DeepSpeed saves
+    `param_shapes` only for its partitioned optimizers, which need no record); in bf16 torch's
+    entries are DeepSpeed's fp32 copies of the weights. A tied module's copy on a later pipeline stage
+    is recorded as None: the first stage's copy is the one carried.
     """
-    base = base_optimizer(eng.engine)
-    if base is not eng.engine.optimizer:
+    masters = whole_tensor_masters(eng.engine)
+    if masters is None:
         return {}
     names = {}
     for raw, param in eng.module.named_parameters():
+        if param not in masters:  # frozen: outside the optimizer
+            continue
         if eng.pipelined:
-            names[id(param)] = None if eng.module.is_tied_replica(raw) else eng.module.stage_name(raw)
+            names[id(masters[param])] = None if eng.module.is_tied_replica(raw) else eng.module.stage_name(raw)
         else:
-            names[id(param)] = raw
-    groups = [[names[id(p)] for p in group["params"]] for group in base.param_groups]
+            names[id(masters[param])] = raw
+    groups = [[names[id(p)] for p in group["params"]] for group in base_optimizer(eng.engine).param_groups]
     return {OPTIMIZER_RECORD: {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "groups": groups}}
 
 
@@ -275,22 +280,23 @@ def _read_states(cfg: RunConfig, source: Topology, checkpoint: Path, fragments: 
 
 
 def _torch_optimizer_states(cfg: RunConfig, checkpoint: Path) -> tuple[StatesPerRank, dict[str, int]]:
-    """ZeRO-0 in fp32: weights from the module files, moments and steps from torch's state dict of each
-    model-parallel rank, named by the checkpoint's optimizer record."""
+    """ZeRO-0: fp32 masters (the weights of the module files in fp32, DeepSpeed's fp32 copies in bf16),
+    moments and steps from torch's state dict of each model-parallel rank, named by the checkpoint's
+    optimizer record."""
     module = module_weights(cfg, checkpoint)
     per_rank: StatesPerRank = {key: [{} for _ in module] for key in STATES}
     steps = {}
     for path in sorted(checkpoint.glob("mp_rank_*_model_states.pt")):
-        optimizer, record = torch_optimizer_state(path, OPTIMIZER_RECORD)
+        optimizer, record, masters = torch_optimizer_state(path, OPTIMIZER_RECORD)
         if record is None:
             raise CheckpointMismatch(f"{path} has no {OPTIMIZER_RECORD}: its optimizer entries cannot be named")
         rank = record["tp_rank"]
-        for group, names in zip(optimizer["param_groups"], record["groups"], strict=True):
-            for index, name in zip(group["params"], names, strict=True):
+        for g, (group, names) in enumerate(zip(optimizer["param_groups"], record["groups"], strict=True)):
+            for j, (index, name) in enumerate(zip(group["params"], names, strict=True)):
                 state = optimizer["state"].get(index)
                 if name is None or state is None:  # a tied replica; a parameter that never had a gradient
                     continue
-                per_rank["fp32"][rank][name] = module[rank][name]
+                per_rank["fp32"][rank][name] = module[rank][name] if masters is None else masters[g][j]
                 for key in MOMENTS:
                     per_rank[key][rank][name] = state[key]
                 steps[name] = int(state["step"])
@@ -413,10 +419,14 @@ def _set_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -
             base.state[flat] = {"step": steps[group["name"]].clone(),
                                 **{key: torch.zeros_like(flat) for key in MOMENTS}}
     link_optimizer_fragments(engine)
+    masters = whole_tensor_masters(engine)
     for param, local in loaded.values():
-        if base is engine.optimizer:  # ZeRO-0 in fp32: torch's own state of the parameter (the weight is set)
+        if masters is not None:  # ZeRO-0: torch's own state of the tensor it steps, and that tensor
+            master = masters[param]
             for key in MOMENTS:
-                base.state[param][key].copy_(local[key])
+                base.state[master][key].copy_(local[key])
+            with torch.no_grad():
+                master.copy_(local["fp32"])
             continue
         for key in MOMENTS:
             safe_set_full_optimizer_state(param, local[key].to(param.device), key)
@@ -425,10 +435,11 @@ def _set_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -
 
 def _check_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -> None:
     """Read every loaded value back as DeepSpeed sees it; anything not exactly as set is an error."""
-    base, wrong = base_optimizer(engine), []
+    base, wrong, masters = base_optimizer(engine), [], whole_tensor_masters(engine)
     for name, (param, local) in loaded.items():
-        if base is engine.optimizer:
-            got = {"fp32": param.detach(), **{key: base.state[param][key] for key in MOMENTS}}
+        if masters is not None:
+            master = masters[param]
+            got = {"fp32": master.detach(), **{key: base.state[master][key] for key in MOMENTS}}
         else:  # collectives for ZeRO: every rank of a data-parallel group reads the same parameters
             got = {"fp32": safe_get_full_fp32_param(param),
                    **{key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}}

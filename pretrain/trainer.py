@@ -187,5 +187,5 @@ class Trainer:
     def _allocated_by_rank(self) -> list[dict]:
         """Every rank's optimizer-state and gradient bytes (a collective)."""
         allocated = [None] * dist.get_world_size()
-        dist.all_gather_object(allocated, accounting.allocated_state(self.eng.engine, self.grad_bytes or 0))
+        dist.all_gather_object(allocated, accounting.allocated_state(self.eng.engine, self.grad_bytes))
         return allocated

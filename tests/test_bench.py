@@ -96,6 +96,22 @@ def test_bench_report_on_a_tiny_config(tmp_path, capsys):
     assert "ratios to vanilla:" in printed and printed.count("ora_hadamard") == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage,precision", [(0, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_state_and_gradient_bytes_in_other_layouts(tmp_path, zero_stage, precision):
+    """Adam keeps two fp32 moments per trainable parameter in every layout (in bf16 without ZeRO they
+    belong to DeepSpeed's fp32 copies of the weights); gradients are held once, in the weights' dtype
+    (ZeRO-3's fp32 view of its partition is the same memory)."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "bench.json"
+    assert main(["--config", str(config), "--arms", "vanilla", "--steps", "1", "--warmup", "0", "--json", str(out),
+                 "--set", f"deepspeed.zero_stage={zero_stage}", "--set", f"deepspeed.precision={precision}"]) == 0
+    (arm,) = json.loads(out.read_text())["arms"]
+    assert arm["memory"]["optimizer_state_bytes"] == 8 * arm["trainable_params"]
+    assert arm["memory"]["gradient_bytes"] == (2 if precision == "bf16" else 4) * arm["trainable_params"]
+
+
 def test_bench_refuses_bad_arms_and_parallel_configs(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)

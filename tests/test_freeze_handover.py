@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepspeed.utils import safe_get_full_optimizer_state
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import AttentionConfig, ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
-from pretrain.ds_internals import base_optimizer, link_optimizer_fragments
+from pretrain.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
 from pretrain.engine import build_engine, lm_loss
 from pretrain.freeze import apply_freeze_stage
 
@@ -22,14 +22,14 @@ def one_process_group():
     destroy_distributed()
 
 
-def _config(zero_stage: int) -> RunConfig:
+def _config(zero_stage: int, precision: str) -> RunConfig:
     return RunConfig(
         model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16,
                           vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0,
                           attention=AttentionConfig(type="ora")),
         train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=10,
                           freeze_schedule=[FreezeStage(0.0, "all", "all"), FreezeStage(0.5, "none", "none")]),
-        deepspeed=DeepSpeedConfig(zero_stage=zero_stage))
+        deepspeed=DeepSpeedConfig(zero_stage=zero_stage, precision=precision))
 
 
 def _step(engine) -> None:
@@ -38,11 +38,13 @@ def _step(engine) -> None:
     engine.step()
 
 
-def _moments(engine, param) -> torch.Tensor:
-    if engine.optimizer is base_optimizer(engine):
-        return engine.optimizer.state[param]["exp_avg"].clone()
+def _moments_and_master(engine, param) -> tuple[torch.Tensor, torch.Tensor]:
+    masters = whole_tensor_masters(engine)
+    if masters is not None:
+        master = masters[param]
+        return base_optimizer(engine).state[master]["exp_avg"].clone(), master.detach().clone()
     link_optimizer_fragments(engine)
-    return safe_get_full_optimizer_state(param, "exp_avg").clone()
+    return safe_get_full_optimizer_state(param, "exp_avg").clone(), safe_get_full_fp32_param(param).clone()
 
 
 def _steps_by_group(engine) -> dict:
@@ -52,14 +54,16 @@ def _steps_by_group(engine) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_unfreeze_keeps_adam_state(zero_stage):
-    cfg = _config(zero_stage)
+@pytest.mark.parametrize("zero_stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16"), (1, "bf16")])
+def test_unfreeze_keeps_adam_state(zero_stage, precision):
+    """bf16 without ZeRO steps fp32 copies of the weights (DeepSpeed's unfused optimizer): their
+    moments and the copies themselves, finer than the bf16 weights, must carry over too."""
+    cfg = _config(zero_stage, precision)
     eng = build_engine(cfg, grad_accum=1)
     for _ in range(3):
         _step(eng.engine)
     linear = next(m for m in eng.module.modules() if isinstance(m, RandomQKVLinear))
-    v_moment = _moments(eng.engine, linear.v_weight)
+    v_moment, v_master = _moments_and_master(eng.engine, linear.v_weight)
     q_before = linear.q_weight.detach().clone()
     steps_before = _steps_by_group(eng.engine)
     assert not linear.q_weight.requires_grad
@@ -67,10 +71,14 @@ def test_unfreeze_keeps_adam_state(zero_stage):
     eng = apply_freeze_stage(cfg, eng, 1, grad_accum=1)
 
     assert linear.q_weight.requires_grad and linear.k_weight.requires_grad
-    assert torch.equal(_moments(eng.engine, linear.v_weight), v_moment)
+    moment_after, master_after = _moments_and_master(eng.engine, linear.v_weight)
+    assert torch.equal(moment_after, v_moment) and torch.equal(master_after, v_master)
     assert {k: v for k, v in _steps_by_group(eng.engine).items() if k in steps_before} == steps_before
     _step(eng.engine)
     steps_after = _steps_by_group(eng.engine)
     assert steps_after["decay/base"] == steps_before["decay/base"] + 1
-    assert steps_after["decay/stage1"] == 1, "newly trainable weights start their own Adam count"
+    # DeepSpeed's unfused bf16 optimizer takes one zero-gradient step when it is built
+    # (FP16_UnfusedOptimizer.initialize_optimizer_states), so its counts start at 1.
+    first_count = 2 if (zero_stage, precision) == (0, "bf16") else 1
+    assert steps_after["decay/stage1"] == first_count, "newly trainable weights start their own Adam count"
     assert not torch.equal(linear.q_weight.detach(), q_before), "unfrozen Q trains"

@@ -24,7 +24,14 @@ def test_optimizer_state_covers_exactly_the_trainable_params(layout_runs, layout
     per_rank = [r["optimizer_state_elements"] for r in result.allocated_by_rank]
     assert sum(per_rank) == 2 * result.trainable_params  # Adam: exp_avg + exp_avg_sq
     assert all(0 < n < 2 * result.trainable_params for n in per_rank), "state is partitioned"
+    # Reduced fp32 gradients, partitioned too, each byte counted once.
+    assert sum(r["gradient_bytes"] for r in result.allocated_by_rank) == 4 * result.trainable_params
     assert result.frozen_params == 2 * 2 * 64 * 64  # Q and K of 2 layers, outside the optimizer
+
+
+def test_pipeline_gradient_bytes_are_left_unmeasured_not_zero(layout_runs):
+    """The pipeline engine steps inside train_batch: no point to read the gradients from."""
+    assert [r["gradient_bytes"] for r in summary(layout_runs["pp2-zero1"]).allocated_by_rank] == [None, None]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -44,4 +51,5 @@ def test_activation_checkpointing_changes_no_loss(reference, workdir):
 def test_single_process_state_and_frozen_split(reference):
     result = summary(reference)
     assert result.allocated_by_rank[0]["optimizer_state_elements"] == 2 * result.trainable_params
+    assert result.allocated_by_rank[0]["gradient_bytes"] == 4 * result.trainable_params
     assert result.final_test_loss is not None and result.tokens_seen == 6 * 8 * 32
