@@ -43,6 +43,24 @@ def whole_tensor_masters(engine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
     return None
 
 
+def undo_initial_zero_step(engine) -> None:
+    """Undo the step DeepSpeed's unfused bf16/fp16 optimizer (ZeRO-0) takes with zero gradients when
+    it is built (`FP16_UnfusedOptimizer.initialize_optimizer_states`, to create Adam's state early).
+
+    That AdamW step runs with the lr the optimizer was constructed with, before the schedule sets the
+    warmup's, so it decays the fp32 copies once by lr·weight_decay; and it starts every Adam count
+    at 1, so the first real steps' bias correction differs from every other layout's. Torch creates
+    the state again at the first real step; the copies are taken again from the weights, which the
+    step did not touch.
+    """
+    if not isinstance(engine.optimizer, FP16_UnfusedOptimizer):
+        return
+    base_optimizer(engine).state.clear()
+    with torch.no_grad():
+        for weight, master in whole_tensor_masters(engine).items():
+            master.copy_(weight)
+
+
 def link_optimizer_fragments(engine) -> None:
     """Point every parameter's ZeRO-1/2 (and bf16-optimizer) fragment at its optimizer state.
 

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import DS_CONFIG_DIR, RunConfig
-from pretrain.ds_internals import keep_fp32_clip_norm
+from pretrain.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
 
 
 class MegatronMPU:
@@ -290,6 +290,7 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, grad_accum),
         mpu=None if pipelined else MegatronMPU())
+    undo_initial_zero_step(engine)
     fp32_zero0 = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(engine, engine.optimizer.record_clip_norm)
