@@ -13,11 +13,17 @@ from megatron.core import parallel_state
 from ora_megatron.builder import padded_vocab_size
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.summary import train_flops_per_token
-from pretrain.ds_internals import full_numel, link_optimizer_fragments, local_grad_tensors, local_optimizer_state
+from pretrain.ds_internals import (
+    MOMENTS,
+    full_numel,
+    link_optimizer_fragments,
+    local_grad_tensors,
+    local_optimizer_state,
+    whole_tensor_masters,
+)
 
 # Dense bf16 peak per device (TFLOP/s), for MFU; matched against torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def flops_per_token(model: ModelConfig) -> float:
@@ -78,8 +84,9 @@ def allocated_state(engine, grad_bytes: Optional[int]) -> dict:
     """Adam-moment bytes this rank holds, read from the live tensors, and its gradient bytes (None
     where unmeasured: the pipeline engine's train_batch has no point between backward and step)."""
     link_optimizer_fragments(engine)
+    masters = whole_tensor_masters(engine)
     moments = [m for p in engine.module.parameters() if p.requires_grad for key in MOMENTS
-               if (m := local_optimizer_state(engine, p, key)) is not None]
+               if (m := local_optimizer_state(engine, p, key, masters)) is not None]
     return {
         "optimizer_state_elements": sum(m.numel() for m in moments),
         "optimizer_state_bytes": sum(m.numel() * m.element_size() for m in moments),

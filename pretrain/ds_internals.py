@@ -15,7 +15,15 @@ from typing import Callable, Iterator, Optional
 import torch
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import clip_grad_norm_
-from deepspeed.utils import safe_get_local_optimizer_state
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
@@ -41,6 +49,32 @@ def whole_tensor_masters(engine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
         return {low: high for lows, highs in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
                 for low, high in zip(lows, highs, strict=True)}
     return None
+
+
+def full_optimizer_state(engine, param, masters) -> dict[str, Optional[torch.Tensor]]:
+    """{"fp32", "exp_avg", "exp_avg_sq"} of a trainable parameter, whole (None where it has no state
+    yet). `masters` is `whole_tensor_masters(engine)`, computed once by the caller. Under ZeRO this
+    is a collective: every rank of a data-parallel group must ask for the same parameters."""
+    if masters is None:
+        return {"fp32": safe_get_full_fp32_param(param),
+                **{key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}}
+    master = masters[param]
+    state = base_optimizer(engine).state.get(master, {})
+    return {"fp32": master.detach(), **{key: state.get(key) for key in MOMENTS}}
+
+
+def set_full_optimizer_state(engine, param, values: dict[str, torch.Tensor], masters) -> None:
+    """Set what `full_optimizer_state` reads; the Adam state must exist (ZeRO: fragments linked)."""
+    if masters is None:
+        for key in MOMENTS:
+            safe_set_full_optimizer_state(param, values[key].to(param.device), key)
+        safe_set_full_fp32_param(param, values["fp32"].to(param.device))
+        return
+    master = masters[param]
+    for key in MOMENTS:
+        base_optimizer(engine).state[master][key].copy_(values[key])
+    with torch.no_grad():
+        master.copy_(values["fp32"])
 
 
 def undo_initial_zero_step(engine) -> None:
@@ -89,18 +123,19 @@ def optimizer_flat_params(engine) -> list[tuple[torch.Tensor, dict]]:
     return [(flat, group) for group in base.param_groups for flat in group["params"]]
 
 
-def local_optimizer_state(engine, param, key: str) -> Optional[torch.Tensor]:
+def local_optimizer_state(engine, param, key: str, masters) -> Optional[torch.Tensor]:
     """This rank's part of `param`'s optimizer state `key`: its ZeRO fragment, or the whole tensor.
 
     deepspeed.utils has `safe_get_local_optimizer_state` for ZeRO-3 only; for ZeRO-1/2 and the
     bf16 optimizer the local fragment is reachable only through the private `_hp_mapping`.
+    `masters` is `whole_tensor_masters(engine)`, computed once by the caller.
     """
     if hasattr(param, "ds_id"):  # ZeRO-3
         return safe_get_local_optimizer_state(param, key)
     if hasattr(param, "_hp_mapping"):
         mapping = param._hp_mapping  # None, or no state yet: this rank holds none of it
         return mapping.get_optim_state_fragment(key) if mapping and key in mapping.get_optim_state_keys() else None
-    master = (whole_tensor_masters(engine) or {}).get(param)
+    master = (masters or {}).get(param)
     return base_optimizer(engine).state.get(master, {}).get(key)
 
 

@@ -10,17 +10,16 @@ optimizer with their state.
 from __future__ import annotations
 
 import torch
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
 
 from ora_megatron.attention import RandomQKVLinear
-from pretrain.accounting import MOMENTS
 from pretrain.config import RunConfig
-from pretrain.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
+from pretrain.ds_internals import (
+    base_optimizer,
+    full_optimizer_state,
+    link_optimizer_fragments,
+    set_full_optimizer_state,
+    whole_tensor_masters,
+)
 from pretrain.engine import build_engine
 
 
@@ -70,16 +69,10 @@ def _capture(engine) -> tuple[dict, dict]:
     if not base.state:  # before the first step (on every rank alike): nothing to carry
         return {}, {}
     link_optimizer_fragments(engine)
-    masters = whole_tensor_masters(engine)  # None: ZeRO fragments, reached through DeepSpeed
+    masters = whole_tensor_masters(engine)
     for param in (p for p in engine.module.parameters() if p.requires_grad):
-        if masters is None:
-            state = {key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}
-            state["fp32"] = safe_get_full_fp32_param(param)
-        else:
-            master = masters[param]
-            state = {key: base.state[master][key].clone() for key in MOMENTS if master in base.state}
-            state["fp32"] = master.detach().clone()
-        if all(v is not None for v in state.values()) and len(state) == 3:
+        state = full_optimizer_state(engine, param, masters)
+        if all(v is not None for v in state.values()):
             per_param[id(param)] = {k: v.detach().cpu().clone() for k, v in state.items()}
     steps = {}
     for group in base.param_groups:
@@ -104,16 +97,8 @@ def _restore(engine, per_param: dict, steps: dict) -> None:
         carried = per_param.get(id(param))
         if carried is None or not param.requires_grad:
             continue
-        if masters is None:
-            for key in MOMENTS:
-                safe_set_full_optimizer_state(param, carried[key].to(param.device), key)
-            safe_set_full_fp32_param(param, carried["fp32"].to(param.device))
-        else:  # a new bf16/fp16 engine copied its fp32 masters from the rounded weights: restore them
-            master = masters[param]
-            for key in MOMENTS:
-                base.state[master][key].copy_(carried[key])
-            with torch.no_grad():
-                master.copy_(carried["fp32"])
+        # fp32 masters too: a new bf16/fp16 engine copied its own from the rounded weights
+        set_full_optimizer_state(engine, param, carried, masters)
 
 
 def apply_freeze_stage(cfg: RunConfig, eng, index: int, grad_accum: int):

@@ -18,9 +18,9 @@ parameter order each checkpoint records (`optimizer_record`, saved as DeepSpeed 
 
 Workers of the new topology build their engine as for a fresh run; `load_converted` then sets every
 local trainable parameter's weight, fp32 master, Adam moments and its group's step, TP-sliced, through
-deepspeed.utils.safe_set_full_* (ZeRO-0 has no fragments: there torch's state of the tensor it steps,
-ds_internals.whole_tensor_masters; ZeRO-3 keeps its Adam state elsewhere, see
-ds_internals.optimizer_flat_params), and reads them back the same way to check. Frozen Q/K are
+ds_internals.set_full_optimizer_state (deepspeed.utils.safe_set_full_* under ZeRO; ZeRO-3 keeps its
+Adam state elsewhere, see ds_internals.optimizer_flat_params), and reads them back through
+full_optimizer_state to check. Frozen Q/K are
 never state: they are regenerated as after every load. The data position is train_state.json's step
 (a step's samples depend on the step and the global batch).
 """
@@ -41,26 +41,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero import GatheredParameters
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
 from megatron.core import parallel_state
 
 from ora_megatron.stages import owner_names, stage_specs
-from pretrain.accounting import MOMENTS
 from pretrain.config import RunConfig
 from pretrain.consolidate import CheckpointMismatch, merge_tensor_parallel, module_weights, reference_model
 from pretrain.ds_internals import (
+    MOMENTS,
     base_optimizer,
     checkpoint_layout,
     extract_zero_fragments,
+    full_optimizer_state,
     has_partitioned_optimizer_files,
     link_optimizer_fragments,
     merged_fragments,
     optimizer_flat_params,
+    set_full_optimizer_state,
     torch_optimizer_state,
     whole_tensor_masters,
 )
@@ -337,7 +333,7 @@ def converted_checkpoint(run_dir: RunDir, tag: str, cfg: RunConfig, world_size: 
 
 def load_converted(eng, path: Path) -> None:
     """Set this rank's trainable parameters, fp32 masters, Adam moments and group steps from a conversion,
-    then read them back through DeepSpeed (safe_get_full_*) and check they are exactly what was set."""
+    then read them back (ds_internals.full_optimizer_state) and check they are exactly what was set."""
     meta = json.loads((path / META).read_text())
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -421,28 +417,14 @@ def _set_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -
     link_optimizer_fragments(engine)
     masters = whole_tensor_masters(engine)
     for param, local in loaded.values():
-        if masters is not None:  # ZeRO-0: torch's own state of the tensor it steps, and that tensor
-            master = masters[param]
-            for key in MOMENTS:
-                base.state[master][key].copy_(local[key])
-            with torch.no_grad():
-                master.copy_(local["fp32"])
-            continue
-        for key in MOMENTS:
-            safe_set_full_optimizer_state(param, local[key].to(param.device), key)
-        safe_set_full_fp32_param(param, local["fp32"].to(param.device))
+        set_full_optimizer_state(engine, param, local, masters)
 
 
 def _check_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -> None:
     """Read every loaded value back as DeepSpeed sees it; anything not exactly as set is an error."""
     base, wrong, masters = base_optimizer(engine), [], whole_tensor_masters(engine)
     for name, (param, local) in loaded.items():
-        if masters is not None:
-            master = masters[param]
-            got = {"fp32": master.detach(), **{key: base.state[master][key] for key in MOMENTS}}
-        else:  # collectives for ZeRO: every rank of a data-parallel group reads the same parameters
-            got = {"fp32": safe_get_full_fp32_param(param),
-                   **{key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}}
+        got = full_optimizer_state(engine, param, masters)  # every rank reads the same parameters
         wrong += [f"{key} of {name}" for key in STATES
                   if got[key] is None or not torch.equal(got[key].detach().cpu().flatten().float(),
                                                          local[key].flatten().float())]
