@@ -4,7 +4,8 @@
 
 Prints per dataset prefix its split, source, documents, tokens and blend weight as loaded by
 megatron-core's IndexedDataset (a mismatch with the manifest is flagged and makes the exit status
-1), the skipped-record counts, and decodes one document with the manifest's tokenizer.
+1; files of other byte sizes or document counts than recorded, e.g. truncated, are flagged without
+being read), the skipped-record counts, and decodes one document with the manifest's tokenizer.
 --verify also rereads every file and compares its sha256 with the manifest.
 """
 
@@ -16,7 +17,7 @@ import warnings
 import sentencepiece
 
 from data_tools.manifest import load_manifest, manifest_path
-from data_tools.shard_writer import sha256_file
+from data_tools.shard_writer import sha256_file, shard_file_problems
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 from megatron.core.datasets.indexed_dataset import (  # noqa: E402
@@ -27,10 +28,14 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 
 
 def dataset_problems(root: str, entry: dict, eod_id: int, verify: bool) -> list[str]:
-    """How a dataset on disk differs from its manifest entry (empty when it matches)."""
+    """How a dataset on disk differs from its manifest entry (empty when it matches). Files of
+    other sizes or document counts than recorded (truncated, replaced) are reported without
+    reading them: megatron-core would read past their end."""
     path = os.path.join(root, entry["prefix"])
+    problems = shard_file_problems(path, entry["bin_bytes"], entry["idx_bytes"], entry["documents"])
+    if problems:
+        return problems
     dataset = IndexedDataset(path)
-    problems = []
     documents = len(dataset.document_indices) - 1
     tokens = int(dataset.sequence_lengths.sum())
     if documents != entry["documents"]:
@@ -66,10 +71,11 @@ def inspect(path: str, prefix: str | None, document: int, chars: int, verify: bo
         for entry_prefix, weight in zip(blend["prefixes"], blend["weights"])
     }
     print(f"{'prefix':<40} {'split':<6} {'source':<26} {'documents':>10} {'tokens':>14} weight")
-    all_match = True
+    damaged = set()
     for entry in manifest["datasets"]:
         problems = dataset_problems(root, entry, tokenizer["eod_id"], verify)
-        all_match &= not problems
+        if problems:
+            damaged.add(entry["prefix"])
         print(
             f"{entry['prefix']:<40} {entry['split']:<6} {entry['source']:<26} "
             f"{entry['documents']:>10,} {entry['tokens']:>14,} {weights[entry['prefix']]:.4f}"
@@ -85,10 +91,13 @@ def inspect(path: str, prefix: str | None, document: int, chars: int, verify: bo
     if manifest["datasets"]:
         train = [entry for entry in manifest["datasets"] if entry["split"] == "train"]
         prefix = prefix or (train or manifest["datasets"])[0]["prefix"]
-        text = decode_document(root, prefix, document, tokenizer["path"], tokenizer["eod_id"])
-        more = f" ... ({len(text):,} characters)" if len(text) > chars else ""
-        print(f"--- {prefix} document {document} ---\n{text[:chars]}{more}")
-    return all_match
+        if prefix in damaged:
+            print(f"--- {prefix}: not decoded, its files do not match the manifest ---")
+        else:
+            text = decode_document(root, prefix, document, tokenizer["path"], tokenizer["eod_id"])
+            more = f" ... ({len(text):,} characters)" if len(text) > chars else ""
+            print(f"--- {prefix} document {document} ---\n{text[:chars]}{more}")
+    return not damaged
 
 
 def main(argv=None) -> None:

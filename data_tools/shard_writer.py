@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import warnings
 from collections import defaultdict
 
@@ -18,11 +19,16 @@ from data_tools.readers import DataError
 # megatron-core warns on import when Transformer Engine / Apex are absent; irrelevant to datasets
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+    _INDEX_HEADER,
     DType,
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
 )
+
+# megatron-core's .idx header (`_IndexReader`): magic, version (<Q), dtype code (<B), sequence
+# count (<Q), then the count of document boundaries (<Q), one more than the documents.
+_IDX_DOCUMENT_COUNT = struct.Struct("<QBQQ")
 
 SHARD_FILE = re.compile(
     r"^(?P<prefix>[A-Za-z0-9_.]+-(train|valid|test)-\d{5})\.(bin|idx|done\.json)(\.tmp)?$"
@@ -181,17 +187,43 @@ def _load_done(out_dir: str, name: str) -> ShardInfo | None:
         return None
 
 
+def indexed_documents(idx_path: str) -> int | None:
+    """The document count an .idx header records (None when it is no megatron-core index);
+    reads 34 bytes."""
+    with open(idx_path, "rb") as handle:
+        header = handle.read(len(_INDEX_HEADER) + _IDX_DOCUMENT_COUNT.size)
+    if len(header) < len(_INDEX_HEADER) + _IDX_DOCUMENT_COUNT.size or not header.startswith(_INDEX_HEADER):
+        return None
+    *_, boundaries = _IDX_DOCUMENT_COUNT.unpack_from(header, len(_INDEX_HEADER))
+    return boundaries - 1
+
+
+def shard_file_problems(path: str, bin_bytes: int, idx_bytes: int, documents: int) -> list[str]:
+    """How the .bin/.idx files of dataset prefix `path` differ from the byte sizes and document
+    count recorded when they were written (empty when they match). Cheap: a stat per file and
+    the .idx header, no data read."""
+    problems = []
+    for file, recorded in ((get_bin_path(path), bin_bytes), (get_idx_path(path), idx_bytes)):
+        if not os.path.exists(file):
+            problems.append(f"{file} is missing")
+        elif os.path.getsize(file) != recorded:
+            problems.append(f"{file} has {os.path.getsize(file):,} bytes, {recorded:,} recorded")
+    idx_path = get_idx_path(path)
+    if os.path.exists(idx_path):
+        found = indexed_documents(idx_path)
+        if found is None:
+            problems.append(f"{idx_path} is not a megatron-core index (bad header)")
+        elif found != documents:
+            problems.append(f"{idx_path} indexes {found:,} documents, {documents:,} recorded")
+    return problems
+
+
 def _shard_is_intact(out_dir: str, info: ShardInfo) -> bool:
-    """Sizes of both files and the checksum of the (small) index; bin_sha256 is for
-    `inspect --verify`, which rereads everything."""
+    """Sizes of both files, the document count and the checksum of the (small) index;
+    bin_sha256 is for `inspect --verify`, which rereads everything."""
     path = os.path.join(out_dir, info.prefix)
-    bin_path, idx_path = get_bin_path(path), get_idx_path(path)
-    return (
-        os.path.exists(bin_path)
-        and os.path.exists(idx_path)
-        and os.path.getsize(bin_path) == info.bin_bytes
-        and os.path.getsize(idx_path) == info.idx_bytes
-        and sha256_file(idx_path) == info.idx_sha256
+    return not shard_file_problems(path, info.bin_bytes, info.idx_bytes, info.documents) and (
+        sha256_file(get_idx_path(path)) == info.idx_sha256
     )
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
@@ -90,12 +90,18 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _convert(value, arg, key)
-            except ConfigError:
-                continue
-        raise ConfigError(key, f"{value!r} matches none of {hint}")
+            except ConfigError as e:
+                errors.append(e)
+        # The only alternative's error, or one below this key (a list item, a section's field:
+        # the value has that alternative's shape), is the precise one.
+        nested = [e for e in errors if e.key != key]
+        if len(errors) == 1 or nested:
+            raise (nested or errors)[0]
+        raise ConfigError(key, f"{value!r} is not {describe_type(hint)}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(key, f"{value!r} is not one of {list(args)}")
@@ -136,6 +142,27 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(key, f"expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {hint} at {key}")
+
+
+def _fields_text(cls: type) -> str:
+    return f"mapping ({', '.join(f.name for f in dataclasses.fields(cls))})"
+
+
+def describe_type(hint: Any, dataclass_text: Callable[[type], str] = _fields_text) -> str:
+    """A config type in a YAML user's words: `int`, `one of: a, b`, `list of int`, `optional int`,
+    `X; or Y`; a section (dataclass) as `dataclass_text(cls)`, by default its keys."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return dataclass_text(hint)
+    if origin is Literal:
+        return "one of: " + ", ".join(map(str, args))
+    if origin in (list, tuple):
+        return "list of " + describe_type(args[0], dataclass_text)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        text = "; or ".join(describe_type(a, dataclass_text) for a in options)
+        return f"optional {text}" if len(options) < len(args) else text
+    return hint.__name__
 
 
 def from_dict(cls: type, data: Any, key: str = "") -> Any:

@@ -110,8 +110,11 @@ class ModelConfig:
 
     def validate(self, key: str) -> None:
         k = f"{key}." if key else ""
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "make_vocab_size_divisible_by", "init_std", "layernorm_epsilon", "rotary_base"):
             check(getattr(self, name) > 0, k + name, "must be > 0")
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size"):  # null: derived from the others
+            check(getattr(self, name) is None or getattr(self, name) > 0, k + name, "must be > 0 (or null)")
         if self.kv_channels is None:
             check(self.hidden_size % self.num_attention_heads == 0, k + "num_attention_heads",
                   f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "

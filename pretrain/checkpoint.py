@@ -4,12 +4,15 @@ A save writes the tag's directory through DeepSpeed (save_latest=False), then ev
 state and train_state.json, then — after a barrier, so every rank's files are on disk — rank 0
 writes the tag's integrity record (size and sha256 of every file), moves the run dir's `latest`
 pointer atomically and prunes old tags. An interrupted save therefore leaves `latest` at the
-previous complete checkpoint, and a partial one is never loaded. Before any worker starts, the
-entry point checks the record of the checkpoint to resume from (pretrain/resume_check.py).
+previous complete checkpoint, and a partial one is never loaded. A save that cannot write its
+files (a full disk) raises CheckpointSaveFailed, whose message names the cause and the checkpoint
+`latest` still points at; the partial tag is removed. Before any worker starts, the entry point
+checks the record of the checkpoint to resume from (pretrain/resume_check.py).
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import random
 import shutil
@@ -26,6 +29,7 @@ from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.orthogonal import matches_regenerated
 from pretrain import reshard
 from pretrain.config import CheckpointConfig
+from pretrain.ds_internals import LEGACY_NUMPY_ARRAY, legacy_uint32_array, restrict_checkpoint_loading, safe_load
 from pretrain.run_dir import RunDir, checkpoint_tag
 
 
@@ -44,6 +48,24 @@ class TrainState:
     train_time_s: float = 0.0  # training-loop wall time of every segment of the run, up to this checkpoint
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """A save could not write its files (a full disk, a lost mount); `latest` still names the last
+    complete checkpoint. The message says which, and why."""
+
+
+# How torch's zip writer reports a failed write: a RuntimeError with no errno, e.g. on a full disk
+# "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534".
+TORCH_WRITE_FAILURES = ("inline_container.cc", "PytorchStreamWriter", "basic_ios::clear", "iostream error")
+
+
+def is_write_failure(error: Exception) -> bool:
+    return isinstance(error, OSError) or any(marker in str(error) for marker in TORCH_WRITE_FAILURES)
+
+
+def _size_of(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
 class Checkpointer:
     """Saves at every `save_interval` steps and once more at a final step (end of training,
     early stop, preemption, too many skipped steps) — never twice for the same step."""
@@ -58,9 +80,20 @@ class Checkpointer:
             self.save(eng, state)
 
     def save(self, eng, state: TrainState) -> str:
-        """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state."""
-        state.scheduler = eng.scheduler.state_dict()
+        """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state.
+        Raises CheckpointSaveFailed, naming the cause, when this rank cannot write its files."""
         tag = checkpoint_tag(state.step)
+        try:
+            self._write(eng, state, tag)
+        except (OSError, RuntimeError) as e:
+            if not is_write_failure(e):
+                raise
+            raise CheckpointSaveFailed(self._save_failure(tag, e)) from e
+        self.last_saved_step = state.step
+        return tag
+
+    def _write(self, eng, state: TrainState, tag: str) -> None:
+        state.scheduler = eng.scheduler.state_dict()
         eng.engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False,
                                    client_state=reshard.optimizer_record(eng))  # names ZeRO-0's torch state
         rank = dist.get_rank()
@@ -76,8 +109,30 @@ class Checkpointer:
             for old in tags[: tags.index(tag) + 1][: -self.cfg.keep_last]:
                 shutil.rmtree(self.run_dir.checkpoint(old), ignore_errors=True)
         dist.barrier()
-        self.last_saved_step = state.step
-        return tag
+
+    def _save_failure(self, tag: str, error: Exception) -> str:
+        """The message of a save that could not write its files; removes the partial tag, which
+        nothing reads (`latest` still names the previous one) and which holds space a full disk needs.
+        The disk counts as full on ENOSPC/EDQUOT, or, for torch's writer (which reports no errno),
+        when less space is free than a checkpoint takes: the last complete one, or else what this
+        one wrote before failing."""
+        path, latest = self.run_dir.checkpoint(tag), self.latest()
+        needed = _size_of(self.run_dir.checkpoint(latest) if latest else path)
+        checkpoints = self.run_dir.checkpoints
+        free = shutil.disk_usage(checkpoints if checkpoints.is_dir() else self.run_dir.path).free
+        disk_full = error.errno in (errno.ENOSPC, errno.EDQUOT) if isinstance(error, OSError) else free < needed
+        if latest != tag:
+            shutil.rmtree(path, ignore_errors=True)
+        what = (f"the disk is full ({free / 2**20:,.0f} MiB free, a checkpoint takes {needed / 2**20:,.0f} MiB)"
+                if disk_full else "its files could not be written")
+        cause = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        remedy = "free some space" if disk_full else "fix the cause"
+        if latest is None:
+            left = f"the run has no complete checkpoint yet: {remedy}, then the same command starts it again"
+        else:
+            left = (f"the last good checkpoint is still {latest} ({self.run_dir.latest_pointer} points at it): "
+                    f"{remedy}, then the same command resumes from it")
+        return f"saving checkpoint {path} failed: {what} ({cause}); the partial {tag} was removed; {left}"
 
     def latest(self) -> Optional[str]:
         return self.run_dir.latest_checkpoint()
@@ -93,26 +148,36 @@ class Checkpointer:
         if converted is not None:
             reshard.load_converted(eng, converted)
         else:
+            restrict_checkpoint_loading(eng.engine)  # a run dir from elsewhere must not run code when loaded
             path, _ = eng.engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag, load_optimizer_states=True,
                                                  load_lr_scheduler_states=False)
             if path is None:
                 raise RuntimeError(f"checkpoint {self.run_dir.checkpoint(tag)} could not be loaded")
-            _set_rng_state(torch.load(self.run_dir.rng_state_file(tag, dist.get_rank()), weights_only=False))
+            _set_rng_state(self.run_dir.rng_state_file(tag, dist.get_rank()))
         eng.scheduler.load_state_dict(state.scheduler)
         restore_frozen_qk(eng.module)
         self.last_saved_step = state.step
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, numbers and lists, which the restricted unpickler reads."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [name, keys.tolist(), position, has_gauss, cached_gaussian],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(path: Path) -> None:
+    """Restore this process's RNG states from its file of a checkpoint, read with the restricted unpickler.
+    Files written before `_rng_state` saved a list hold numpy's keys as a numpy array, read as data."""
+    state = safe_load(path, allowed=LEGACY_NUMPY_ARRAY)
+    name, keys, *rest = state["numpy"]
+    if not isinstance(keys, list):
+        keys = legacy_uint32_array(keys, path)
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

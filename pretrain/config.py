@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -126,6 +127,9 @@ class OptimizerConfig:
         check(self.lr > 0, f"{key}.lr", "must be > 0")
         check(0.0 <= self.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be in [0, 1]")
         check(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
+        check(self.decay_steps is None or self.decay_steps > 0, f"{key}.decay_steps", "must be > 0 (or null)")
+        for name in ("eps", "weight_decay", "clip_grad"):
+            check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
         for name in ("beta1", "beta2"):
             check(0.0 <= getattr(self, name) < 1.0, f"{key}.{name}", "must be in [0, 1)")
 
@@ -171,8 +175,10 @@ class DataConfig:
         check(len(self.sources) == 1, f"{key}.manifest",
               f"set exactly one of manifest, blend, train_blend, mock (got {self.sources or 'none'})")
         parts = self.split.split(",")
-        check(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
-              f"{key}.split", f"expected 'train,valid,test' ratios, got {self.split!r}")
+        check(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
+              and float(parts[0]) > 0, f"{key}.split",
+              f"expected 'train,valid,test' ratios with a train share > 0, got {self.split!r}")
+        check(0 <= self.seed < 2**32, f"{key}.seed", "must be in [0, 2**32) (numpy's seed range)")
 
 
 @dataclass
@@ -253,6 +259,25 @@ class RunConfig:
                               f"layer numbers {bad} outside 1..{self.model.num_layers}")
 
 
+# Keep the Hugging Face libraries (huggingface_hub, transformers, datasets) off the network:
+# training reads local tokenizers and datasets only, and an export is loaded from its own folder.
+HUB_OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                           "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def keep_offline(wandb_mode: str = "disabled") -> None:
+    """Keep this process, and the workers it starts (they inherit its environment), off the network;
+    wandb alone may use it, when `wandb_mode` is "online".
+
+    Call it before any of them is imported: the Hugging Face libraries read these variables at
+    import, and wandb's telemetry takes its mode from the environment only
+    (`wandb.init(mode="offline")` alone still lets it contact its server).
+    """
+    os.environ.update(HUB_OFFLINE_ENVIRONMENT)
+    if wandb_mode != "online":
+        os.environ["WANDB_MODE"] = wandb_mode
+
+
 def config_hash(cfg: RunConfig) -> str:
     """sha256 of the resolved config: names default run dirs, and tells a sweep a run's config changed."""
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
@@ -284,5 +309,5 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
-__all__ = ["RunConfig", "load_run_config", "validate_for_world", "ConfigError", "FreezeStage",
+__all__ = ["RunConfig", "load_run_config", "validate_for_world", "keep_offline", "ConfigError", "FreezeStage",
            "PARTIAL_FROZEN"]

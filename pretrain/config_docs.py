@@ -16,11 +16,10 @@ import inspect
 import re
 import sys
 import textwrap
-import types
 import typing
 from functools import cache
-from typing import Literal
 
+from ora_megatron.config_io import describe_type
 from pretrain.config import REPO, RunConfig
 
 DOC_PATH = REPO / "docs" / "config.md"
@@ -87,18 +86,7 @@ def anchor(title: str) -> str:
 
 def type_text(hint, names: dict[type, str]) -> str:
     """`int`, `one of: a, b`, `list of int`, `optional int`, or a link to a nested section."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in names:
-        return f"[{names[hint]}](#{anchor(names[hint])})"
-    if origin is Literal:
-        return "one of: " + ", ".join(map(str, args))
-    if origin in (list, tuple):
-        return "list of " + type_text(args[0], names)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
-        text = "; or ".join(type_text(a, names) for a in options)
-        return f"optional {text}" if len(options) < len(args) else text
-    return hint.__name__
+    return describe_type(hint, lambda section: f"[{names[section]}](#{anchor(names[section])})")
 
 
 def yaml_text(value) -> str:

@@ -39,6 +39,7 @@ from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
 from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_specs
 from pretrain.config import RunConfig
+from pretrain.ds_internals import check_checkpoint_files, safe_load
 from pretrain.freeze import freeze_stage_index, trainability
 from pretrain.run_dir import RunDir
 
@@ -93,6 +94,7 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
     model if none exists, and torn down again.
     """
     checkpoint_dir = Path(checkpoint_dir)
+    check_checkpoint_files(checkpoint_dir)  # zero_to_fp32 unpickles without restriction
     reference = reference_model(cfg)
     expected = reference.state_dict()
     tp = cfg.parallel.tensor
@@ -168,7 +170,7 @@ def module_weights(cfg: RunConfig, checkpoint_dir: Path) -> list[StateDict]:
     """Per TP rank, the saved module state dict under the stage names (ZeRO-0/1/2)."""
     if cfg.parallel.pipeline > 1:
         return _pipeline_module_weights(cfg, checkpoint_dir)
-    return [_load(checkpoint_dir / f"mp_rank_{rank:02d}_model_states.pt")["module"]
+    return [safe_load(checkpoint_dir / f"mp_rank_{rank:02d}_model_states.pt")["module"]
             for rank in range(cfg.parallel.tensor)]
 
 
@@ -184,7 +186,7 @@ def _pipeline_module_weights(cfg: RunConfig, checkpoint_dir: Path) -> list[State
         stage, rank = pipeline_layer_file_stage(path, specs)
         if rank >= cfg.parallel.tensor:
             raise CheckpointMismatch(f"{path.name}: TP rank {rank}, but parallel.tensor={cfg.parallel.tensor}")
-        per_rank[rank].update({f"{stage}.{key}": value for key, value in _load(path).items()})
+        per_rank[rank].update({f"{stage}.{key}": value for key, value in safe_load(path).items()})
     return per_rank
 
 
@@ -213,11 +215,6 @@ def _fp32_master_weights(checkpoint_dir: Path, tp: int) -> list[StateDict]:
                 per_rank.append(get_fp32_state_dict_from_zero_checkpoint(staging, tag=checkpoint_dir.name))
             log.debug("zero_to_fp32 of TP rank %d:\n%s", rank, chatter.getvalue())
     return per_rank
-
-
-def _load(path: Path) -> dict:
-    # DeepSpeed's files hold its config and versions beside the tensors: not weights_only.
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _saved_dtype(state: StateDict) -> torch.dtype:

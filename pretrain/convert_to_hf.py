@@ -1,6 +1,7 @@
 """Export a run's checkpoint to Hugging Face format, verified against the source model every time.
 
     python -m pretrain.convert_to_hf --run-dir RUN [--checkpoint TAG] --output DIR [--dtype fp32|bf16] [--no-verify]
+        [--force]
 
 From any layout the trainer writes (TP, PP, ZeRO-0..3, bf16) through the consolidated fp32 state
 dict (frozen Q/K regenerated), mapped by the family's table (ora_megatron/families/*_hf.py) into
@@ -14,6 +15,13 @@ A bf16 export is checked as what it is: the source model with its weights rounde
 computed in fp32, against the export upcast to fp32 — the same tolerance, so a mapping error
 cannot hide behind bf16 rounding. The export is written to `DIR.partial` and moved to DIR only
 once verified; a failed check leaves it at `DIR.unverified` for inspection and exits 1.
+
+What may be replaced: each export holds `ora_export.json` (its run, checkpoint, verification and
+the files it wrote). DIR and DIR.unverified are replaced when absent, empty or an earlier export
+holding only its own files (rerunning an export is routine); DIR.partial when an earlier export
+left it. Anything else is refused before anything is read, unless --force. Never, even with
+--force: a DIR (or sibling) that is, contains or lies inside the run dir, or that is the current
+directory or one above it. Nothing here reaches the network: transformers loads local files only.
 """
 
 from __future__ import annotations
@@ -36,6 +44,14 @@ from ora_megatron.model_config import ParallelConfig
 from ora_megatron.stages import build_staged_gpt
 from pretrain.config import RunConfig
 from pretrain.consolidate import FP32_MASTER, MODULE, Consolidated, consolidated_state_dict, tp1_parallel_state
+from pretrain.ds_internals import UnsafeCheckpointFile
+from pretrain.export_record import (
+    EXPORT_RECORD,
+    files_under,
+    holds_only_an_export,
+    read_export_record,
+    write_export_record,
+)
 from pretrain.run_dir import RunDir
 
 EXIT_ERROR, EXIT_VERIFY_FAILED = 2, 1
@@ -141,7 +157,7 @@ def verify(cfg: RunConfig, state: dict, out_dir: Path, dtype: str) -> dict:
     if dtype != "fp32":  # the export holds the weights rounded once to `dtype`
         state = {k: v.to(DTYPES[dtype]).float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     expected = source_logits(cfg, state, tokens)
-    exported = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         got = exported(tokens).logits.float()
     figures = compare_logits(expected, got)
@@ -198,26 +214,69 @@ def data_description(cfg: RunConfig) -> str:
     return ", ".join(f"`{e.path}` (weight {e.weight})" for e in entries)
 
 
+# ---------------------------------------------------------------------------------- where it goes
+@dataclasses.dataclass(frozen=True)
+class OutputPaths:
+    """The directories an export of DIR writes or replaces, as absolute paths."""
+
+    final: Path
+    partial: Path  # written first
+    unverified: Path  # where a failed verification leaves it
+
+    @classmethod
+    def of(cls, output: Path) -> "OutputPaths":
+        final = output.resolve()
+        return cls(final, final.with_name(final.name + ".partial"), final.with_name(final.name + ".unverified"))
+
+
+def check_output(output: Path, run_dir: Path, force: bool) -> OutputPaths:
+    """Refuse, before anything is read or written, an output whose replacement could lose data."""
+    paths = OutputPaths.of(output)
+    run, here = run_dir.resolve(), Path.cwd().resolve()
+    for path in (paths.final, paths.partial, paths.unverified):
+        if path == run or path in run.parents or run in path.parents:
+            raise ExportError(f"--output {output}: {path} would be written over or into the run dir {run} "
+                              "being exported (refused even with --force); name a directory outside it")
+        if path == here or path in here.parents:
+            raise ExportError(f"--output {output}: {path} is the current directory or one above it "
+                              "(refused even with --force); name a new directory for the export")
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise ExportError(f"--output {output}: {path} exists and is not a directory")
+    for path, ours in ((paths.final, holds_only_an_export), (paths.unverified, holds_only_an_export),
+                       (paths.partial, read_export_record)):
+        if path.exists() and not force and any(path.iterdir()) and not ours(path):
+            raise ExportError(f"--output {output}: {path} exists and holds files no earlier export wrote "
+                              f"(an export holds {EXPORT_RECORD} listing its files); remove it, choose another "
+                              "directory, or pass --force to replace it")
+    return paths
+
+
 # ---------------------------------------------------------------------------------- the command
 def export(run_dir: RunDir, output: Path, tag: Optional[str] = None, dtype: str = "fp32",
-           verify_export: bool = True) -> Optional[dict]:
+           verify_export: bool = True, force: bool = False) -> Optional[dict]:
     """Write the export of `tag` (default: latest) to `output`; returns the verification figures."""
     from pretrain.data import tokenizer_path
 
+    paths = check_output(output, run_dir.path, force)
     cfg = run_dir.read_config()
     check_exportable(cfg)
     tag = tag or run_dir.latest_checkpoint()
     if tag is None or not run_dir.checkpoint(tag).is_dir():
         raise ExportError(f"{run_dir.path}: no checkpoint {tag or '(latest)'} to export")
     consolidated = consolidated_state_dict(cfg, run_dir.checkpoint(tag))
-    partial = output.with_name(output.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    write_export(cfg, consolidated, partial, dtype, tokenizer_path(cfg), model_card(cfg, run_dir, tag, consolidated))
-    figures = verify(cfg, consolidated.state_dict, partial, dtype) if verify_export else None
-    final = output if figures is None or figures["passed"] else output.with_name(output.name + ".unverified")
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
+    shutil.rmtree(paths.partial, ignore_errors=True)
+    paths.partial.mkdir(parents=True)
+    record = {"run_dir": str(run_dir.path.resolve()), "checkpoint": tag, "dtype": dtype, "files": []}
+    write_export_record(paths.partial, record)  # first, so that a DIR.partial left behind is recognisably ours
+    write_export(cfg, consolidated, paths.partial, dtype, tokenizer_path(cfg),
+                 model_card(cfg, run_dir, tag, consolidated))
+    figures = verify(cfg, consolidated.state_dict, paths.partial, dtype) if verify_export else None
+    record.update(verification=figures, files=sorted(files_under(paths.partial) - {EXPORT_RECORD}))
+    write_export_record(paths.partial, record)
+    final = paths.final if figures is None or figures["passed"] else paths.unverified
+    if final.exists():
+        shutil.rmtree(final)
+    paths.partial.rename(final)
     return figures
 
 
@@ -229,10 +288,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the logit comparison (not recommended: it is what catches a wrong mapping)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace DIR, DIR.partial and DIR.unverified whatever they hold (never the run dir, "
+                             "a directory holding it, or the current directory)")
     args = parser.parse_args(argv)
     try:
-        figures = export(RunDir(args.run_dir), args.output, args.checkpoint, args.dtype, not args.no_verify)
-    except (ExportError, FileNotFoundError) as e:
+        figures = export(RunDir(args.run_dir), args.output, args.checkpoint, args.dtype, not args.no_verify,
+                         args.force)
+    except (ExportError, UnsafeCheckpointFile, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     if figures is None:

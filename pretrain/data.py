@@ -4,6 +4,7 @@ exactly the batches the uninterrupted one would have."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,7 +19,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
-from data_tools.manifest import blend_per_split_from_manifest, load_manifest
+from data_tools.manifest import blend_per_split_from_manifest, load_manifest, manifest_path
+from data_tools.shard_writer import sha256_file, shard_file_problems
 from ora_megatron.config_io import ConfigError
 from pretrain.config import BlendEntry, RunConfig
 
@@ -87,33 +89,89 @@ def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple
     return entries
 
 
+def read_manifest(cfg: RunConfig) -> dict:
+    """The run's data_tools manifest; a missing or unreadable one is a config error at data.manifest."""
+    try:
+        return load_manifest(cfg.data.manifest)
+    except (OSError, ValueError) as e:
+        raise ConfigError("data.manifest", f"cannot read {manifest_path(cfg.data.manifest)}: {e}") from None
+
+
 def check_data(cfg: RunConfig) -> None:
-    """The tokenizer fits the embedding, and every dataset exists and gives each of its splits at
-    least one document.
+    """The tokenizer is the one the manifest's shards were built with and fits the embedding; every
+    dataset exists, matches its manifest entry (byte sizes, document count) and gives each of its
+    splits at least one document. A split holding fewer tokens than one sample is warned about.
 
     Runs in the launching process, before any worker: megatron-core raises deep inside worker
-    startup for a missing file, and loops forever on a split that rounds to zero documents; a token
-    id past the embedding fails in the first forward (CPU) or as a device-side assert (GPU).
+    startup for a missing or truncated file, and loops forever on a split that rounds to zero
+    documents; a token id past the embedding fails in the first forward (CPU) or as a device-side
+    assert (GPU), and another tokenizer of the same size trains on ids that mean other pieces.
     """
     if cfg.data.mock:
         return
     key = "data." + cfg.data.sources[0]
+    manifest = read_manifest(cfg) if cfg.data.manifest else None
     path = tokenizer_path(cfg)
     if path is None:
         raise ConfigError("data.tokenizer", "a sentencepiece model is needed to read indexed datasets")
+    if not Path(path).is_file():
+        moved = "" if cfg.data.tokenizer else f" (the path {cfg.data.manifest} records): set data.tokenizer to its copy"
+        raise ConfigError("data.tokenizer", f"no tokenizer model at {path}{moved}")
     tokenizer = build_tokenizer(cfg)
+    if manifest is not None:
+        _check_manifest_tokenizer(cfg, manifest, path, tokenizer.vocab_size)
+        _check_manifest_shards(cfg, manifest)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
                                               f"{tokenizer.vocab_size} ids ({path})")
     config = dataset_config(cfg, tokenizer, cache_dir=Path("."))
+    split_tokens = dict.fromkeys(SPLITS, 0)
     for prefix, matrix in _datasets_and_splits(cfg, config):
         if not (Path(prefix + ".idx").exists() and Path(prefix + ".bin").exists()):
             raise ConfigError(key, f"no indexed dataset at {prefix} (.bin/.idx)")
-        documents = IndexedDataset(prefix).sequence_lengths.shape[0]
+        dataset = IndexedDataset(prefix)
+        starts = dataset.document_indices  # each document's first sequence, then the end
+        documents = len(starts) - 1
         for split, bounds in zip(SPLITS, matrix):
-            if bounds is not None and round(bounds[0] * documents) == round(bounds[1] * documents):
+            if bounds is None:
+                continue
+            first, end = round(bounds[0] * documents), round(bounds[1] * documents)  # as megatron-core cuts
+            if first == end:
                 raise ConfigError(key, f"{prefix}: the {split} split {bounds} holds none of its {documents} "
                                        "documents; use fewer/larger datasets or another data.split")
+            split_tokens[split] += int(dataset.sequence_lengths[starts[first]:starts[end]].sum())
+    sample = cfg.model.seq_length + 1  # a sample's inputs and its labels shifted by one
+    for split, tokens in split_tokens.items():
+        if 0 < tokens < sample:
+            print(f"warning: the {split} split holds {tokens} tokens, fewer than one sample (model.seq_length + 1 "
+                  f"= {sample}): each of its samples repeats the same tokens", file=sys.stderr)
+
+
+def _check_manifest_tokenizer(cfg: RunConfig, manifest: dict, path: str, vocab_size: int) -> None:
+    """The tokenizer the run uses (data.tokenizer, or the manifest's own path) is the file the shards
+    were built with: the manifest records its sha256 and vocabulary size."""
+    built = manifest["tokenizer"]
+    differs = []
+    if vocab_size != built["vocab_size"]:
+        differs.append(f"vocab size {vocab_size} vs {built['vocab_size']}")
+    digest = sha256_file(path)
+    if digest != built["sha256"]:
+        differs.append(f"sha256 {digest[:12]}… vs {built['sha256'][:12]}…")
+    if differs:
+        raise ConfigError("data.tokenizer", f"{path} is not the tokenizer the shards of {cfg.data.manifest} were "
+                                            f"built with ({built['path']}): {', '.join(differs)}")
+
+
+def _check_manifest_shards(cfg: RunConfig, manifest: dict) -> None:
+    """Every dataset file has the byte size and document count the manifest records (a stat and
+    the .idx header each): a truncated or replaced shard fails here, not inside the workers."""
+    root = Path(manifest_path(cfg.data.manifest)).resolve().parent
+    problems = [problem for entry in manifest["datasets"]
+                for problem in shard_file_problems(str(root / entry["prefix"]), entry["bin_bytes"],
+                                                   entry["idx_bytes"], entry["documents"])]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError("data.manifest", f"the shards do not match {cfg.data.manifest}: {problems[0]}{more}")
 
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:

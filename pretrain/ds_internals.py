@@ -1,4 +1,5 @@
-"""Every use of DeepSpeed internals (private attributes, undocumented layouts) in one place.
+"""Every use of DeepSpeed internals (private attributes, undocumented layouts) in one place, and the
+one way files of a run dir are unpickled (`safe_load`, DeepSpeed's own readers included).
 
 Each function says why the public API does not suffice. All were checked against DeepSpeed
 0.19.8 (`runtime/zero/stage_1_and_2.py`, `runtime/zero/stage3.py`, `runtime/bf16_optimizer.py`,
@@ -7,14 +8,22 @@ Each function says why the public API does not suffice. All were checked against
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import pickle
+import re
+import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import clip_grad_norm_
+from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -22,6 +31,7 @@ from deepspeed.utils import (
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
+from deepspeed.utils.tensor_fragment import fragment_address
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -196,6 +206,119 @@ def full_numel(param: torch.Tensor) -> int:
     return getattr(param, "ds_numel", param.numel())
 
 
+# ---------------------------------------------------------------------------- loading files of a run dir
+# A run dir may come from someone else, and its integrity records do not vouch for it (whoever wrote
+# the files can rewrite them). A pickle can name any callable, which `torch.load(weights_only=False)`
+# calls, so every checkpoint, RNG-state, optimizer-state and conversion file is read with torch's
+# restricted unpickler (weights_only=True): tensors, containers, numbers, strings, and beside them
+# exactly the classes DeepSpeed 0.19.8 pickles into its optimizer files — the loss scaler of a ZeRO
+# optimizer (`loss_scaler`), its `zero_stage` and its partitions' `fragment_address`es
+# (`state_dict()` of runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py). Each is rebuilt
+# by setting its `__dict__`, which runs no code of the class; the enum is looked up by value.
+DEEPSPEED_CHECKPOINT_CLASSES = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file holds objects other than tensors and DeepSpeed's records: not loaded."""
+
+
+@contextlib.contextmanager
+def _only_safe_globals(allowed: list) -> Iterator[None]:
+    """Exactly `allowed` beside torch's own types for the restricted unpickler, then the list as it was.
+
+    torch keeps one process-wide list of extra allowed globals, and `import megatron.core` adds to it
+    (numpy arrays, argparse.Namespace, io.BytesIO, pathlib paths, its own configs:
+    megatron/core/safe_globals.py), which torch's `safe_globals` context manager would keep allowed."""
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(allowed)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
+def safe_load(path, map_location="cpu", mmap: bool = False, allowed: tuple = ()):
+    """torch.load with the restricted unpickler (weights_only=True), allowing DeepSpeed's checkpoint
+    classes and `allowed` — nothing else — for this call; any other global raises UnsafeCheckpointFile
+    naming the file. mmap: read the tensors only when used (files in torch's zip format, which DeepSpeed
+    writes; others are read whole)."""
+    try:
+        with _only_safe_globals([*DEEPSPEED_CHECKPOINT_CLASSES, *allowed]):
+            return torch.load(path, map_location=map_location, weights_only=True,
+                              mmap=mmap and zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        # torch's message names the refused global, or the class it was asked to build
+        named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
+        what = f"it names {named.group(1) or named.group(2)}" if named else "it does not unpickle as data"
+        raise UnsafeCheckpointFile(f"{path}: not loaded: {what}; checkpoint files are read as tensors and "
+                                   "DeepSpeed's checkpoint records only (unpickling anything else can run code)"
+                                   ) from None
+
+
+def check_checkpoint_files(checkpoint_dir) -> None:
+    """Read DeepSpeed's files of a checkpoint directory (`*_states.pt`: model, layer and optimizer states)
+    with the restricted unpickler, memory-mapped so that no tensor is read, before DeepSpeed's own readers,
+    which unpickle without restriction, open them. Raises UnsafeCheckpointFile naming the first file that
+    holds anything else. (The run's own files, RNG states and conversions, are only read by `safe_load`.)"""
+    for path in sorted(Path(checkpoint_dir).glob("*_states.pt")):
+        safe_load(path, mmap=True)
+
+
+class _PickledNumpyObject:
+    """Stands in for numpy's array-rebuilding globals while a legacy RNG file is read: keeps what the
+    pickle passes (arguments, then state) and runs no numpy code on the file's bytes."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+LEGACY_NUMPY_ARRAY = tuple((_PickledNumpyObject, name) for name in
+                           ("numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct",
+                            "numpy.ndarray", "numpy.dtype"))
+"""`safe_load(..., allowed=LEGACY_NUMPY_ARRAY)`: numpy arrays come back as stand-ins for `legacy_uint32_array`
+(numpy's own unpickling is outside what the restricted unpickler vouches for)."""
+
+
+def legacy_uint32_array(array, path) -> np.ndarray:
+    """The values of a 1-d little-endian uint32 numpy array read with LEGACY_NUMPY_ARRAY (numpy's pickle:
+    `_reconstruct(ndarray, (0,), b"b")`, then the state (version, shape, dtype('u4'), fortran order, bytes))."""
+    try:
+        _, shape, dtype, _, data = array.state
+        valid = (dtype.args[0] == "u4" and dtype.state[1] in ("<", "|") and len(shape) == 1
+                 and isinstance(data, bytes) and len(data) == 4 * shape[0])
+    except (AttributeError, IndexError, TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise UnsafeCheckpointFile(f"{path}: not loaded: it holds a numpy object other than the uint32 array "
+                                   "of numpy's RNG state")
+    return np.frombuffer(data, dtype="<u4").copy()
+
+
+class RestrictedCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading through `safe_load` (its own load unpickles without
+    restriction). The engine reads every file of `load_checkpoint` through it: model states, ZeRO
+    partitions, pipeline layer files (`runtime/engine.py` `_load_checkpoint`, `_load_zero_checkpoint`;
+    `runtime/pipe/module.py` `load_state_dir`)."""
+
+    def load(self, path: str, map_location=None):
+        return safe_load(path, map_location=map_location)
+
+
+def restrict_checkpoint_loading(engine) -> None:
+    """Make `engine.load_checkpoint` read its files through RestrictedCheckpointEngine. DeepSpeed creates
+    its checkpoint engine from its config (`_configure_checkpointing`, into `checkpoint_engine`) and
+    takes none from the caller; the replacement saves as the torch engine did."""
+    if type(engine.checkpoint_engine) not in (TorchCheckpointEngine, RestrictedCheckpointEngine):
+        raise RuntimeError(f"DeepSpeed's checkpoint engine is {type(engine.checkpoint_engine).__name__}, not its "
+                           "torch engine: re-check restrict_checkpoint_loading")
+    engine.checkpoint_engine = RestrictedCheckpointEngine(engine._config)
+
+
 # ---------------------------------------------------------------------------- reading saved checkpoints
 # pretrain/reshard.py converts a checkpoint of one (DP, TP, PP, ZeRO) layout to per-parameter state.
 # DeepSpeed 0.19.8 has no public reader for that: zero_to_fp32 returns weights only, and
@@ -217,7 +340,7 @@ def checkpoint_layout(checkpoint_dir) -> Optional[dict]:
     files = sorted(p for p in Path(checkpoint_dir).glob("*model_states.pt") if not p.name.startswith("layer_"))
     if not files:
         return None
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    state = safe_load(files[0], mmap=True)
     dims, config = state["checkpoint_parallel_dimensions"], state["ds_config"]
     precision = next((p for p in ("bf16", "fp16") if config.get(p, {}).get("enabled")), "fp32")
     return {"data": int(state["dp_world_size"]), "tensor": int(dims["tp_degree"]),
@@ -250,6 +373,7 @@ def extract_zero_fragments(checkpoint_dir, out_dir, zero_stage: int) -> tuple[in
         UNIVERSAL_CHECKPOINT_INFO,
     )
 
+    check_checkpoint_files(checkpoint_dir)  # DeepSpeed's readers below unpickle without restriction
     checkpoint_dir, out_dir = str(checkpoint_dir), str(out_dir)
     if zero_stage <= 2:
         ds_checkpoint = DeepSpeedCheckpoint(checkpoint_dir)
@@ -264,12 +388,12 @@ def extract_zero_fragments(checkpoint_dir, out_dir, zero_stage: int) -> tuple[in
     model_grid, tp_degree, dp_degree = ucp._build_zero3_rank_grid([str(p) for p in files
                                                                      if p.name.endswith("_model_states.pt")])
     optim_grid, _, _ = ucp._build_zero3_rank_grid([str(p) for p in files if p.name.endswith("_optim_states.pt")])
-    shapes_grid = [_load(model_grid[tp][0])[PARAM_SHAPES] for tp in range(tp_degree)]
+    shapes_grid = [safe_load(model_grid[tp][0], mmap=True)[PARAM_SHAPES] for tp in range(tp_degree)]
     for tp, dp in itertools.product(range(tp_degree), range(dp_degree)):
         ucp.extract_zero_shards_stage3(optim_grid, shapes_grid, dp_degree, out_dir, (tp, dp))
     steps = {}
     for tp in range(tp_degree):
-        sub_groups = _load(optim_grid[tp][0])["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+        sub_groups = safe_load(optim_grid[tp][0], mmap=True)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
         for index, shapes in enumerate(shapes_grid[tp]):
             for name in shapes:
                 steps[name] = int(sub_groups[index]["step"])
@@ -291,14 +415,8 @@ def torch_optimizer_state(model_states_file, client_key: str) -> tuple[dict, Opt
     `optimizer` in `mp_rank_*_model_states.pt` (`client_state` entries beside it); in bf16/fp16 that
     entry is its unfused optimizer's own dict, holding torch's (`optimizer_state_dict`) and the fp32
     masters the weights were rounded from (`fp32_groups`, in the order of torch's groups)."""
-    state = _load(model_states_file)
+    state = safe_load(model_states_file, mmap=True)
     optimizer = state["optimizer"]
     if "optimizer_state_dict" in optimizer:
         return optimizer["optimizer_state_dict"], state.get(client_key), optimizer["fp32_groups"]
     return optimizer, state.get(client_key), None
-
-
-def _load(path) -> dict:
-    # DeepSpeed's files hold its config and versions beside the tensors: not weights_only. Memory-mapped:
-    # only the tensors used are read.
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

@@ -1,11 +1,13 @@
 """What a run reports as it goes: typed records in metrics.jsonl, TensorBoard, wandb, a progress bar.
 
 The logger decides when a training step is logged and builds each record itself (throughput,
-peak memory, MFU). Every rank holds one; only rank 0 writes anything.
+peak memory, MFU). Every rank holds one; only rank 0 writes anything. The progress bar moves at
+every step and shows the loss of the last logged one (the loss leaves the device only when logged).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
@@ -16,8 +18,8 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from pretrain.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
-from pretrain.config import RunConfig
-from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord
+from pretrain.config import RunConfig, config_hash
+from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, write_text_atomic
 
 
 class IterationTimer:
@@ -46,6 +48,26 @@ class IterationTimer:
             self._paused += time.perf_counter() - start
 
 
+def wandb_run_id(run_dir: RunDir, cfg: RunConfig) -> str:
+    """The run's wandb id: made at its first start and kept in the run dir (wandb/run_id), so every
+    resume continues the same W&B run, with changed settings or from a moved run dir too.
+
+    It is a hash of what makes the run this run: the run dir's absolute path, the config and the
+    time of the first start; not the folder's name, which a sweep repeats (`<arm>/seed<N>`) and which
+    may hold characters wandb refuses in ids (`:;,#?/'`). A sweep's arms and seeds differ in path and
+    config; a run started afresh where another was deleted is a new W&B run, whose steps wandb would
+    otherwise drop as going back in time.
+    """
+    stored = run_dir.path / "wandb" / "run_id"
+    if stored.is_file() and stored.read_text().strip():
+        return stored.read_text().strip()
+    identity = f"{run_dir.path.resolve()}\n{config_hash(cfg)}\n{time.time_ns()}"
+    run_id = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(stored, run_id + "\n")
+    return run_id
+
+
 class MetricsLogger:
     def __init__(self, run_dir: RunDir, cfg: RunConfig, cfg_dict: dict, start_step: int):
         self.log_interval = cfg.train.log_interval
@@ -67,7 +89,8 @@ class MetricsLogger:
             import wandb
 
             self.wandb = wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=str(run_dir.path),
-                                    config=cfg_dict, resume="allow", id=run_dir.path.name)
+                                    config=cfg_dict, resume="allow", id=wandb_run_id(run_dir, cfg),
+                                    name=run_dir.path.name)
         if log.progress:
             from tqdm import tqdm
 
@@ -92,8 +115,12 @@ class MetricsLogger:
             record.tflops_per_device = self.flops_per_token * tokens_per_s / self.world_size / 1e12
             record.mfu = record.tflops_per_device / self.peak_tflops
         self._write(record)
-        if self.bar is not None:
+        if self.bar is not None:  # shown from the next redraw on
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def step_done(self, step: int) -> None:
+        """Move the progress bar to `step`; called after every step, logged or not (host only)."""
+        if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
     def evaluation(self, step: int, split: str, loss: float) -> None:

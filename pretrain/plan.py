@@ -515,6 +515,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.world_size < 1:
+            raise ConfigError("--world-size", f"must be at least 1, got {args.world_size}")
+        if not 0 < args.gpu_memory_gb < math.inf:  # also refuses nan
+            raise ConfigError("--gpu-memory-gb", f"must be a positive number of GiB, got {args.gpu_memory_gb}")
         path = config_path(args.config)
         cfg = load_run_config(str(path), overrides(args))
         layout_of(cfg, args.world_size)  # refuse a bad layout before building anything

@@ -22,14 +22,16 @@ import platform
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.config import REPO, RunConfig, config_hash, load_run_config, validate_for_world
+from pretrain.config import REPO, RunConfig, config_hash, keep_offline, load_run_config, validate_for_world
 from pretrain.resume_check import ResumeRefused, check_resume
-from pretrain.run_dir import RunDir
+from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, step_of_tag
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3
@@ -44,17 +46,29 @@ SCHEDULER_RANK_VARIABLES = {
 }
 
 
+def process_count(text: str) -> int:
+    """argparse type of --nproc-per-node and --world-size: a whole number >= 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+    return count
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="run config YAML (see pretrain/configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted override, e.g. train.steps=200 (repeatable)")
     parser.add_argument("--run-dir", help="default: runs/<config name>-<hash of the resolved config>")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
+    parser.add_argument("--nproc-per-node", type=process_count, default=1,
                         help="spawn this many local workers with torchrun (ignored under a launcher)")
     parser.add_argument("--check-only", action="store_true",
                         help="validate the config for --world-size processes and exit (launch/pretrain_ora.sh)")
-    parser.add_argument("--world-size", type=int, help="process count to validate against (with --check-only)")
+    parser.add_argument("--world-size", type=process_count,
+                        help="process count to validate against (with --check-only)")
     parser.add_argument("--print-run-dir", action="store_true",
                         help="with --check-only: print only the run dir on stdout, the report on stderr")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -66,8 +80,8 @@ def default_run_dir(config_path: str, cfg: RunConfig) -> Path:
     return REPO / "runs" / f"{Path(config_path).stem}-{config_hash(cfg)[:8]}"
 
 
-def _launch_local(args, world_size: int, run_dir: Path) -> int:
-    """Re-run this script under torchrun with `world_size` local workers."""
+def _launch_local(args, world_size: int, run_dir: Path, lock: RunDirLock) -> int:
+    """Re-run this script under torchrun with `world_size` local workers, handing them the run dir's lock."""
     from torch.distributed.run import main as torchrun
 
     argv = [f"--nproc-per-node={world_size}", "--standalone", os.path.abspath(__file__),
@@ -75,7 +89,10 @@ def _launch_local(args, world_size: int, run_dir: Path) -> int:
     for item in args.set:
         argv += ["--set", item]
     try:
-        torchrun(argv)
+        # The workers hold the lock too (as stdin), so it outlives a launcher killed with SIGKILL
+        # until they have died of it (die_with_launcher).
+        with lock.as_stdin():
+            torchrun(argv)
     except SystemExit as e:
         return int(e.code or 0)
     except Exception as e:  # torchrun's ChildFailedError: a worker failed; others were stopped
@@ -104,16 +121,53 @@ def versions() -> dict:
             "cuda": torch.version.cuda, "hostname": platform.node()}
 
 
+def nothing_to_train(run_dir: RunDir, tag: Optional[str], cfg: RunConfig) -> Optional[str]:
+    """The message for a run that resuming from checkpoint `tag` would not train (it has a summary
+    and `tag` is its last step: the command of a finished run, again), else None. Such a run's
+    files stay as they are: no run files, resume log line or summary is written."""
+    if tag is None or not run_dir.summary.exists() or step_of_tag(tag) < cfg.train.steps:
+        return None
+    return f"run dir {run_dir.path}: finished at step {step_of_tag(tag)}, nothing to train"
+
+
+def unwritable(run_dir: Path) -> Optional[str]:
+    """Why this process cannot write the run dir, or None. The dir itself and every entry at its
+    top level (each written or appended to by a run) must be writable, or, before it exists, the
+    nearest folder it would be created in. os.access answers for this process's user: root passes
+    permission bits, and nobody passes a read-only mount."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == run_dir and not run_dir.is_dir():
+        return f"run dir {run_dir} exists and is not a folder"
+    written = [run_dir, *run_dir.iterdir()] if existing == run_dir else [existing]
+    for path in written:
+        if not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            return (f"run dir {run_dir} cannot be written: {path} is read-only (its permissions, or a read-only "
+                    "file system); the run writes its config, metrics and checkpoints there. Fix that, or use "
+                    "another --run-dir")
+    return None
+
+
 def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     import torch.distributed as dist
 
     from ora_megatron.parallel import destroy_distributed, init_distributed
+    from pretrain.checkpoint import CheckpointSaveFailed
     from pretrain.engine import deepspeed_config
     from pretrain.trainer import Trainer, TrainingStopped
 
     # DeepSpeed runs the pipeline; megatron-core only needs its tensor-parallel groups.
     init_distributed(cfg.parallel.tensor, 1, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
     rank = dist.get_rank()
+    # Under an external launcher main() cannot stop early for a finished run: its other ranks are
+    # waiting here. Every rank reads the same `latest` (rank 0 settled it before rendezvous).
+    finished = nothing_to_train(run_dir, run_dir.latest_checkpoint(), cfg)
+    if finished is not None:
+        if rank == 0:
+            print(finished, file=sys.stderr)
+        destroy_distributed()
+        return 0
     if rank == 0:
         run_dir.write_run_files(to_dict(cfg), deepspeed_config(cfg, grad_accum), versions())
     dist.barrier()
@@ -122,21 +176,21 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
         print(f"run dir: {run_dir.path} (resumed at step {trainer.state.step})", file=sys.stderr)
     elif rank == 0:
         print(f"run dir: {run_dir.path}", file=sys.stderr)
-    if trainer.state.step >= cfg.train.steps and run_dir.summary.exists():
-        # The command of a finished run, again: every rank resumed the same final step; keep the
-        # run's summary rather than replacing it with a zero-step one.
-        if rank == 0:
-            print(f"run dir {run_dir.path}: finished at step {trainer.state.step}, nothing to train", file=sys.stderr)
-        destroy_distributed()
-        return 0
     code = 0
     try:
         summary = trainer.train()
         if rank == 0:
             run_dir.write_summary(summary)
+            if summary.preempted:
+                print(f"interrupted at step {summary.steps}: checkpoint "
+                      f"{run_dir.checkpoint(run_dir.latest_checkpoint())} saved; the same command resumes from it",
+                      file=sys.stderr)
     except TrainingStopped as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
+        code = EXIT_TRAINING_STOPPED
+    except CheckpointSaveFailed as e:  # raised on the ranks whose files could not be written
+        print(f"error: {e}", file=sys.stderr)
         code = EXIT_TRAINING_STOPPED
     if rank == 0:
         print(f"run dir: {run_dir.path}\nmetrics: {run_dir.metrics}\n"
@@ -179,17 +233,37 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+class StartRefused(ValueError):
+    """The run cannot start as asked; the message names the key, flag, file or holder (exit 2)."""
+
+
+@dataclass
+class Start:
+    """A start that passed every check made before workers exist."""
+
+    cfg: RunConfig
+    world_size: int
+    grad_accum: int
+    run_dir: Path
+    resume_from: Optional[str] = None  # the checkpoint tag the run resumes from
+    finished: Optional[str] = None  # why there is nothing to train, for a finished run's command
+    lock: Optional[RunDirLock] = None  # the run dir's lock, held by this process
+
+
+def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
+    """Config, data, run dir, lock and resume, checked once per start: here, or under a launcher
+    in rank 0 (before rendezvous, so the other ranks read `latest` after it); workers spawned by
+    _launch_local were checked by their parent. Raises StartRefused."""
     try:
-        adopt_scheduler_ranks()
         cfg = load_run_config(args.config, args.set)
-        under_launcher = "WORLD_SIZE" in os.environ
-        world_size = int(os.environ["WORLD_SIZE"]) if under_launcher else args.world_size or args.nproc_per_node
+        if under_launcher:
+            world_size = int(os.environ["WORLD_SIZE"])
+        else:
+            world_size = args.nproc_per_node if args.world_size is None else args.world_size
         grad_accum = validate_for_world(cfg, world_size)
     except (ConfigError, OSError, yaml.YAMLError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        raise StartRefused(str(e)) from e
+    keep_offline(cfg.logging.wandb_mode)  # before anything imports wandb or a Hugging Face library
     if under_launcher:
         die_with_launcher()
     try:
@@ -197,38 +271,75 @@ def main(argv=None) -> int:
 
         check_data(cfg)
     except (ConfigError, OSError) as e:
+        raise StartRefused(str(e)) from e
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
+    start = Start(cfg, world_size, grad_accum, run_dir)
+    problem = unwritable(start.run_dir)
+    if problem is not None:
+        raise StartRefused(problem)
+    if args.resume_checked or (under_launcher and os.environ.get("RANK", "0") != "0"):
+        return start
+    run_dir = RunDir(start.run_dir)
+    # One job per run dir, locked before anything reads or changes it; the lock is held until this
+    # process (and the workers it hands it to) end. --check-only tests it, keeping nothing.
+    try:
+        if args.check_only:
+            run_dir.check_lock()
+        else:
+            start.lock = run_dir.acquire_lock()
+    except (RunDirBusy, OSError) as e:  # OSError: the run dir cannot be created
+        raise StartRefused(str(e)) from e
+    from pretrain.reshard import plan_topology_change
+
+    try:
+        plan = check_resume(run_dir, cfg, world_size)
+        topology_change = plan_topology_change(run_dir, plan.tag, cfg, world_size)
+    except ResumeRefused as e:
+        raise StartRefused(str(e)) from e
+    for line in plan.notices():
+        print(line, file=sys.stderr)
+    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, cfg)
+    if not args.check_only and start.finished is None:
+        plan.apply(run_dir)
+        if topology_change is not None:  # converted once, here, before any worker starts
+            print(topology_change.convert(), file=sys.stderr)
+    return start
+
+
+def check_report(start: Start) -> str:
+    resumes = f", resumes from {start.resume_from}" if start.resume_from else ""
+    return (f"config ok for {start.world_size} processes: gradient accumulation {start.grad_accum}, "
+            f"run dir {start.run_dir}{resumes}")
+
+
+def check_launch(argv: list[str], world_size: int) -> Path:
+    """What `--check-only --world-size N` checks, for a launcher about to start N processes
+    (pretrain/launch/launcher.py): the report on stderr; returns the run dir; StartRefused."""
+    start = prepare(parse_args([*argv, "--check-only", "--world-size", str(world_size)]), under_launcher=False)
+    print(check_report(start), file=sys.stderr)
+    return start.run_dir
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        adopt_scheduler_ranks()
+        under_launcher = "WORLD_SIZE" in os.environ
+        start = prepare(args, under_launcher)
+    except (ConfigError, StartRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
-    resume_from = None
-    # Once per start: here, or under a launcher in rank 0 (before rendezvous, so the other ranks
-    # read `latest` after it); workers spawned by _launch_local were checked by their parent.
-    if not args.resume_checked and (not under_launcher or os.environ.get("RANK", "0") == "0"):
-        from pretrain.reshard import plan_topology_change
-
-        try:
-            plan = check_resume(RunDir(run_dir), cfg, world_size)
-            topology_change = plan_topology_change(RunDir(run_dir), plan.tag, cfg, world_size)
-        except ResumeRefused as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
-        for line in plan.notices():
-            print(line, file=sys.stderr)
-        if not args.check_only:
-            plan.apply(RunDir(run_dir))
-            if topology_change is not None:  # converted once, here, before any worker starts
-                print(topology_change.convert(), file=sys.stderr)
-        resume_from = plan.tag
     if args.check_only:
-        resumes = f", resumes from {resume_from}" if resume_from else ""
-        print(f"config ok for {world_size} processes: gradient accumulation {grad_accum}, run dir {run_dir}{resumes}",
-              file=sys.stderr if args.print_run_dir else sys.stdout)
+        print(check_report(start), file=sys.stderr if args.print_run_dir else sys.stdout)
         if args.print_run_dir:
-            print(run_dir)
+            print(start.run_dir)
         return 0
-    if not under_launcher and world_size > 1:
-        return _launch_local(args, world_size, run_dir)
-    return worker(cfg, RunDir(run_dir), grad_accum)
+    if start.finished is not None and not under_launcher:  # no worker needs starting
+        print(start.finished, file=sys.stderr)
+        return 0
+    if not under_launcher and start.world_size > 1:
+        return _launch_local(args, start.world_size, start.run_dir, start.lock)
+    return worker(start.cfg, RunDir(start.run_dir), start.grad_accum)
 
 
 if __name__ == "__main__":

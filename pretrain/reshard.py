@@ -56,6 +56,7 @@ from pretrain.ds_internals import (
     link_optimizer_fragments,
     merged_fragments,
     optimizer_flat_params,
+    safe_load,
     set_full_optimizer_state,
     torch_optimizer_state,
     whole_tensor_masters,
@@ -345,7 +346,7 @@ def load_converted(eng, path: Path) -> None:
         if not file.is_file():
             missing.append(name)
             continue
-        entry = torch.load(file, map_location="cpu", weights_only=True)
+        entry = safe_load(file)
         local = {key: _tp_shard(name, entry[key], param, tp_rank, tp_size) for key in STATES}
         _set_weight(param, local["fp32"])
         loaded[name], param_steps[id(param)] = (param, local), entry["step"]

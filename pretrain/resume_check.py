@@ -9,10 +9,13 @@ message and exit status 2 instead of a traceback inside the workers. Both checks
    from; every damaged one on the way is reported with the file at fault. A checkpoint without a
    record predates records and is loaded unverified (with a warning) — unless an older checkpoint
    of the run has one: then this code wrote it, and a missing record means it is damaged.
+   DeepSpeed's files of the chosen checkpoint must then unpickle as data (tensors and DeepSpeed's
+   records, read with the restricted unpickler): a record matches whatever its writer put there.
 2. Config compatibility. The run's saved resolved config (config.yaml) and the new one are
    compared key by key (dotted keys, plus `world_size`: the checkpoint's process count); each
    differing key takes the policy of its longest matching prefix in `POLICIES`. One refused key
-   refuses the resume; allowed changes are reported.
+   refuses the resume; allowed changes are reported. `train.steps` below the checkpoint's step is
+   refused too: the run has trained past it.
 
 `ResumePlan.apply` then does the only writes: `latest` moves to the chosen checkpoint when the one
 it named is damaged (workers load `latest`, so they need no other channel to learn the tag), and
@@ -152,14 +155,32 @@ class ResumePlan:
 
 
 def check_resume(run_dir: RunDir, cfg: RunConfig, world_size: int) -> ResumePlan:
-    """Pick the checkpoint to resume from and check the config against it; reads only.
-    Raises ResumeRefused when no checkpoint is intact or a change is refused."""
+    """Pick the checkpoint to resume from and check it and the config against it; reads only.
+    Raises ResumeRefused when no checkpoint is intact, one of its files could run code when loaded,
+    or a change is refused."""
     latest = run_dir.latest_checkpoint()
     if latest is None:
         return ResumePlan()
     tag, skipped, unverified = choose_checkpoint(run_dir, latest)
+    check_files_are_data(run_dir, tag)
+    if cfg.train.steps < step_of_tag(tag):
+        raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag} with train.steps={cfg.train.steps}: "
+                            f"the run has trained {step_of_tag(tag)} steps. Resume with train.steps >= "
+                            f"{step_of_tag(tag)}, or start a shorter run with another --run-dir.")
     changes = check_config(run_dir, tag, cfg, world_size)
     return ResumePlan(tag=tag, latest=latest, skipped=skipped, unverified=unverified, changes=changes)
+
+
+def check_files_are_data(run_dir: RunDir, tag: str) -> None:
+    """DeepSpeed's files of the checkpoint unpickle with the restricted unpickler (pretrain/ds_internals.py;
+    the workers read the run's own files with it too). Its integrity record cannot vouch for that: whoever
+    wrote a received run dir wrote the record too."""
+    from pretrain.ds_internals import UnsafeCheckpointFile, check_checkpoint_files  # imports DeepSpeed
+
+    try:
+        check_checkpoint_files(run_dir.checkpoint(tag))
+    except UnsafeCheckpointFile as e:
+        raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag}: {e}") from None
 
 
 def choose_checkpoint(run_dir: RunDir, latest: str) -> tuple[str, dict[str, list[str]], bool]:

@@ -1,6 +1,7 @@
 """A run directory as a typed API: the only module that knows its file names and formats.
 
     run_dir/
+      run.lock                                       the job's exclusive lock; who took it (JSON)
       config.yaml  ds_config.json  versions.json     resolved config, DeepSpeed JSON, versions + git
       metrics.jsonl                                  one TrainRecord / EvalRecord per line (rank 0)
       summary.json                                   Summary of the finished (or stopped) run
@@ -13,14 +14,29 @@
 
 The entry point, the trainer, the metrics logger, benchmarks, sweeps and tests read and write a
 run through `RunDir`, so a layout change happens here only.
+
+One job at a time writes a run dir: the job takes `RunDir.acquire_lock()`, an exclusive flock(2)
+on run.lock, before it reads or changes anything and keeps it for its whole life; a second job is
+refused with a message naming the first (pid, host, start time, command: written into run.lock).
+flock belongs to the open file description, so every process holding a descriptor of it holds the
+lock, and the kernel drops it with the last one, however the processes end (SIGKILL included): a
+dead job never blocks the resume. A process hands its lock to the processes it starts (workers,
+a sweep's run) as their stdin, since torchrun and DeepSpeed's launcher close every other
+descriptor in their workers, and sets LOCK_ON_STDIN; `acquire_lock()` in such a process adopts it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import hashlib
 import json
 import os
+import platform
 import re
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -28,6 +44,7 @@ from typing import Optional, Union
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
+LOCK_ON_STDIN = "ORA_RUN_DIR_LOCK_ON_STDIN"  # "1": this process's stdin is its run dir's lock
 
 
 def checkpoint_tag(step: int) -> str:
@@ -147,6 +164,54 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class RunDirBusy(Exception):
+    """Another job holds the run dir's lock; the message names it."""
+
+
+class RunDirLock:
+    """A held run-dir lock: an open descriptor of run.lock with an exclusive flock on it.
+
+    Closing the descriptor (or dropping the object) is the only release: flock(LOCK_UN) would
+    also unlock it for the processes the lock was handed to, which share the open file description.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __del__(self):
+        self.release()
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def record_holder(self, pid: int, command: str) -> None:
+        """Write who runs the job into the lock file, for the message that refuses a second one."""
+        holder = {"pid": pid, "host": platform.node(), "command": command,
+                  "start_time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, (json.dumps(holder) + "\n").encode(), 0)
+
+    @contextlib.contextmanager
+    def as_stdin(self):
+        """Hand the lock to the processes started meanwhile (torchrun's workers, started in this
+        process): this process's stdin is the lock, and LOCK_ON_STDIN is set, until the block ends."""
+        saved = os.dup(0)
+        previous = os.environ.get(LOCK_ON_STDIN)
+        os.dup2(self.fd, 0)
+        os.environ[LOCK_ON_STDIN] = "1"
+        try:
+            yield
+        finally:
+            os.dup2(saved, 0)
+            os.close(saved)
+            if previous is None:
+                del os.environ[LOCK_ON_STDIN]
+            else:
+                os.environ[LOCK_ON_STDIN] = previous
+
+
 class _Entry:
     """A fixed file or folder of a run dir: `RunDir(p).metrics` is `p / "metrics.jsonl"`."""
 
@@ -175,6 +240,7 @@ class RunDir:
     data_cache = _Entry("data_cache")
     resume_log = _Entry("resume_log.jsonl")
     experiment = _Entry("experiment.yaml")
+    lock_file = _Entry("run.lock")
 
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag
@@ -195,6 +261,70 @@ class RunDir:
 
     def integrity_record_file(self, tag: str) -> Path:
         return self.checkpoint(tag) / "integrity.json"
+
+    # ------------------------------------------------------------------ the job's lock
+    def acquire_lock(self) -> RunDirLock:
+        """The run dir's lock for this job: the one handed down to this process (LOCK_ON_STDIN),
+        else taken now and recorded as held by this process. Raises RunDirBusy naming the holder."""
+        handed_down = self._handed_down_lock()
+        if handed_down is not None:
+            return handed_down
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = RunDirLock(os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644))
+        try:
+            fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.release()
+            raise RunDirBusy(self._busy_message()) from None
+        lock.record_holder(os.getpid(), shlex.join([sys.executable, *sys.argv]))
+        return lock
+
+    def check_lock(self) -> None:
+        """Raise RunDirBusy where acquire_lock() would; keeps no lock and writes nothing."""
+        handed_down = self._handed_down_lock()
+        if handed_down is not None:
+            handed_down.release()
+        elif self.lock_holder() is not None:
+            raise RunDirBusy(self._busy_message())
+
+    def lock_holder(self) -> Optional[str]:
+        """Who holds the lock ("pid N on HOST since TIME: COMMAND"), None when nobody does.
+        flock cannot be queried: this takes a shared lock for an instant (never creating the file)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return self._recorded_holder()
+        finally:
+            os.close(fd)
+        return None
+
+    def _recorded_holder(self) -> str:
+        try:
+            holder = json.loads(self.lock_file.read_text())
+            return f"pid {holder['pid']} on {holder['host']} since {holder['start_time']}: {holder['command']}"
+        except (OSError, ValueError, KeyError, TypeError):  # its holder is writing it this instant
+            return f"a process that has not recorded itself in {self.lock_file} yet"
+
+    def _busy_message(self) -> str:
+        return (f"run dir {self.path} is in use by {self._recorded_holder()}; one job at a time writes a run "
+                "dir, and it is free again when that job has ended")
+
+    def _handed_down_lock(self) -> Optional[RunDirLock]:
+        """This run dir's lock, when the process that started this one handed it down as stdin."""
+        if os.environ.get(LOCK_ON_STDIN) != "1":
+            return None
+        try:
+            if not os.path.samestat(os.fstat(0), os.stat(self.lock_file)):
+                return None
+            # The starter's open file description holds the lock: taking it again changes nothing.
+            fcntl.flock(0, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # stdin closed, no lock file, or another job's lock (BlockingIOError)
+            return None
+        return RunDirLock(os.dup(0))
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -27,22 +27,30 @@ before anything starts; an error names the spec, the arm and the key, and the sw
 
 Run dirs are OUT/<arm>/seed<seed>, ordered seed-major (all arms of the first seed first, so the
 first finished runs already form a paired comparison). Each holds the run's own files, `sweep.log`
-(the run's stdout and stderr, appended per attempt), `sweep.lock` (held by the process that runs
-it) and `experiment.yaml` (pretrain.run_dir.ExperimentRecord: "running" when started, "finished"
-or "failed" when it ended). A run's state, read back from them:
+(the run's stdout and stderr, appended per attempt), its lock `run.lock` (pretrain.run_dir: the one
+every job in a run dir takes, by which pretrain_ora.py refuses a second job) and `experiment.yaml`
+(pretrain.run_dir.ExperimentRecord: "running" when started, "finished" or "failed" when it ended).
+A run's state, read back from them:
 
-    finished     record "finished" (exit 0) and summary.json            skipped
+    running      its lock is held: a sweep, the run or any other job is alive in it   left alone
+    finished     record "finished" (exit 0) and summary.json, or record "running"     skipped
+                 and a complete summary (it completed alone after its sweep was gone)
     failed       record "failed" (exit code and log tail recorded)      skipped unless --retry-failed
-    running      its lock is held: a sweep or run process is alive      left alone
     interrupted  record "running" or a checkpoint, nobody holds the lock  started again: resumes
     pending      nothing yet                                             started
 
-A restarted run gets the same command; pretrain_ora.py resumes the run dir from its checkpoint.
-SIGTERM/SIGINT stop the sweep: no new run starts, running ones are sent SIGTERM (they checkpoint
-and exit) and stay "running" in their record, so the next invocation resumes them. The run's lock
-is inherited by its process, so a run outlives a sweep killed with SIGKILL without being started
-twice; if it completes alone, the next invocation records it as finished. The sweep exits 0 when
-every run is finished, 1 when some are not, 2 on an invalid spec or config, 128 + N on signal N.
+The sweep takes a run's lock before it records and starts the run, and hands it to the run's
+process (pretrain.run_dir.RunDirLock: as its stdin), which holds it to its end: a run outlives a
+sweep killed with SIGKILL without being started twice, and if it completes alone the next
+invocation records it as finished. A restarted run gets the same command; pretrain_ora.py resumes
+the run dir from its checkpoint. SIGTERM/SIGINT stop the sweep: no new run starts, running ones
+are sent SIGTERM (they checkpoint and exit) and stay "running" in their record, so the next
+invocation resumes them. The sweep exits 0 when every run is finished, 1 when some are not, 2 on
+an invalid spec or config or a run to start without its data, 128 + N on signal N.
+
+`--dry-run` prints, for every run, its state and what this invocation would do with it, decided
+by the same code as a real invocation (including the warning about finished runs whose config
+changed, and the refusal, status 2, when a run to start has no data); it writes nothing.
 
 `--emit commands` prints one shell-quoted entry-point command per run. `--emit slurm` writes
 OUT/sweep.sbatch, an array job whose task i calls this module with `--task i`: it runs run i
@@ -54,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import fcntl
 import json
 import math
 import os
@@ -68,13 +75,13 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 import yaml
 
 from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml, to_dict
 from pretrain.config import REPO, RunConfig, config_hash, load_run_config, validate_for_world
-from pretrain.run_dir import ExperimentRecord, RunDir
+from pretrain.run_dir import LOCK_ON_STDIN, ExperimentRecord, RunDir, RunDirBusy, RunDirLock
 
 ENTRY = REPO / "pretrain" / "pretrain_ora.py"
 LAUNCH_SCRIPT = REPO / "launch" / "pretrain_ora.sh"
@@ -82,7 +89,7 @@ PRESETS = REPO / "pretrain" / "configs"
 DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # DESIGN.md: seeds for every comparison
 SEED_KEYS = ("model.seed", "data.seed")
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-LOG_NAME, LOCK_NAME = "sweep.log", "sweep.lock"
+LOG_NAME = "sweep.log"
 LOG_TAIL_LINES = 40
 POLL_S = 0.2
 
@@ -192,10 +199,6 @@ class Run:
     def log(self) -> Path:
         return self.run_dir.path / LOG_NAME
 
-    @property
-    def lock(self) -> Path:
-        return self.run_dir.path / LOCK_NAME
-
     def set_flags(self) -> list[str]:
         return [arg for item in self.overrides for arg in ("--set", item)]
 
@@ -268,25 +271,15 @@ def check_run_data(runs: list[Run]) -> None:
 # ---------------------------------------------------------------------- run state
 
 
-def lock_is_held(path: Path) -> bool:
-    if not path.exists():
-        return False
-    with open(path) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
-
-
 def run_state(run: Run) -> str:
-    """finished, failed, running, interrupted or pending (see the module docstring)."""
-    record = run.run_dir.read_experiment()
-    if lock_is_held(run.lock):
+    """running, finished, failed, interrupted or pending (see the module docstring)."""
+    if run.run_dir.lock_holder() is not None:
         return "running"
+    record = run.run_dir.read_experiment()
     if record is not None and record.status == "finished" and run.run_dir.summary.exists():
         return "finished"
+    if record is not None and record.status == "running" and completed_summary(run.run_dir):
+        return "finished"  # completed alone after its sweep was gone: record_orphans_that_completed
     if record is not None and record.status == "failed":
         return "failed"
     if (record is not None and record.status == "running") or run.run_dir.latest_checkpoint() is not None:
@@ -299,6 +292,17 @@ def to_start(runs: list[Run], retry_failed: bool) -> list[Run]:
     return [run for run in runs if run_state(run) in startable]
 
 
+def plan(runs: list[Run], retry_failed: bool) -> list[Run]:
+    """What an invocation decides before it starts anything, for the real run and the dry run
+    alike: warn about finished runs whose config changed, choose the runs to start, and check
+    their data (SweepError). Returns the runs to start."""
+    warn_changed_configs(runs)
+    starting = to_start(runs, retry_failed)
+    if starting:
+        check_run_data(starting)
+    return starting
+
+
 def completed_summary(run_dir: RunDir) -> bool:
     """summary.json of a run that trained to its end or stopped early (not one stopped by a signal)."""
     return run_dir.summary.exists() and not run_dir.read_summary().preempted
@@ -306,12 +310,11 @@ def completed_summary(run_dir: RunDir) -> bool:
 
 def record_orphans_that_completed(runs: list[Run]) -> None:
     """A run outlives a sweep killed with SIGKILL and may complete alone: its record still says
-    "running", nobody holds its lock and its summary is complete. Record it as finished (exit code
-    unknown) instead of starting it again."""
+    "running", nobody holds its lock and its summary is complete (run_state: finished). Record it
+    as finished (exit code unknown)."""
     for run in runs:
         record = run.run_dir.read_experiment()
-        if (record is not None and record.status == "running" and not lock_is_held(run.lock)
-                and completed_summary(run.run_dir)):
+        if record is not None and record.status == "running" and run_state(run) == "finished":
             record.status, record.results = "finished", results_of(run.run_dir)
             run.run_dir.write_experiment(record)
             print(f"{run.experiment_id}: completed after its sweep was gone; recorded as finished")
@@ -379,27 +382,14 @@ class Attempt:
     run: Run
     record: ExperimentRecord
     process: subprocess.Popen
-    lock: IO
+    lock: RunDirLock
     log_offset: int
     started: float
 
 
-def try_lock(run: Run) -> Optional[IO]:
-    run.run_dir.path.mkdir(parents=True, exist_ok=True)
-    lock = open(run.lock, "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        return None
-    return lock
-
-
-def start(run: Run, command: list[str], env: dict[str, str], revision: str) -> Optional[Attempt]:
-    """Take the run's lock, record it as running and start its process (None: someone else runs it)."""
-    lock = try_lock(run)
-    if lock is None:
-        return None
+def start(run: Run, command: list[str], env: dict[str, str], revision: str) -> Attempt:
+    """Take the run's lock, record it as running and start its process (RunDirBusy: another job runs it)."""
+    lock = run.run_dir.acquire_lock()
     record = started_record(run, revision)
     run.run_dir.write_experiment(record)
     with open(run.log, "a") as log:
@@ -407,13 +397,14 @@ def start(run: Run, command: list[str], env: dict[str, str], revision: str) -> O
         log.flush()
         offset = log.tell()
         # The lock goes to the run's process too: it stays held while the run lives, whatever
-        # happens to this sweep, so no other sweep starts the run a second time.
+        # happens to this sweep, so no other job starts in the run dir meanwhile.
         try:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, pass_fds=(lock.fileno(),))
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=lock.fd,
+                                       env={**env, LOCK_ON_STDIN: "1"})
         except OSError as e:  # e.g. no launch script on this checkout; the record says "running": retried
-            lock.close()
+            lock.release()
             raise SweepError(f"cannot start {run.experiment_id}: {e}") from None
+    lock.record_holder(process.pid, shlex.join(command))
     return Attempt(run, record, process, lock, offset, time.time())
 
 
@@ -437,7 +428,7 @@ def finish(attempt: Attempt, stopping: bool) -> str:
         record.status, record.exit_code, record.log_tail = "failed", code, log_tail(run.log, attempt.log_offset)
     if state != "interrupted":
         run.run_dir.write_experiment(record)
-    attempt.lock.close()
+    attempt.lock.release()
     return state
 
 
@@ -489,9 +480,10 @@ def execute(runs: list[Run], jobs: int, launch) -> Optional[int]:
         while active or (queue and stop.signum is None):
             while queue and len(active) < jobs and stop.signum is None:
                 run = queue.popleft()
-                attempt = start(run, *launch(run), revision)
-                if attempt is None:
-                    print(f"skipped {run.experiment_id}: another process holds {run.lock}", flush=True)
+                try:
+                    attempt = start(run, *launch(run), revision)
+                except RunDirBusy as e:
+                    print(f"skipped {run.experiment_id}: {e}", flush=True)
                     continue
                 active.append(attempt)
                 print(f"started {run.experiment_id} (log: {run.log})", flush=True)
@@ -530,12 +522,18 @@ def status_table(runs: list[Run]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-def plan_text(runs: list[Run], retry_failed: bool) -> str:
-    action = {"pending": "start", "interrupted": "restart (resumes its checkpoint)", "finished": "skip",
-              "running": "skip (running elsewhere)",
-              "failed": "retry" if retry_failed else "skip (failed; --retry-failed reruns it)"}
-    states = [run_state(run) for run in runs]
-    return "\n".join(f"{run.experiment_id}: {state} -> {action[state]}" for run, state in zip(runs, states))
+def plan_text(runs: list[Run], starting: list[Run]) -> str:
+    """Each run's state and what plan() decided for it."""
+    started = {"pending": "start", "interrupted": "restart (resumes its checkpoint)", "failed": "retry"}
+    skipped = {"finished": "skip", "running": "skip (running elsewhere)",
+               "failed": "skip (failed; --retry-failed reruns it)"}
+    starting_ids = {run.experiment_id for run in starting}
+    lines = []
+    for run in runs:
+        state = run_state(run)
+        action = started[state] if run.experiment_id in starting_ids else skipped[state]
+        lines.append(f"{run.experiment_id}: {state} -> {action}")
+    return "\n".join(lines)
 
 
 def slurm_script(runs: list[Run], sweep_args: list[tuple[str, ...]], out: Path) -> str:
@@ -606,14 +604,15 @@ def emit(args: argparse.Namespace, runs: list[Run], spec_path: Path, out: Path) 
 
 
 def run_locally(args: argparse.Namespace, runs: list[Run]) -> int:
+    starting, signum = plan(runs, args.retry_failed), None
+    if args.dry_run:
+        print(plan_text(runs, starting))
+        return EXIT_ALL_FINISHED
     record_orphans_that_completed(runs)
-    warn_changed_configs(runs)
-    starting, signum = to_start(runs, args.retry_failed), None
     if not starting:
         print(f"nothing to start: none of the {len(runs)} runs is pending or interrupted"
               f"{'' if args.retry_failed else ' (failed runs start again with --retry-failed)'}")
     else:
-        check_run_data(starting)
         print(f"starting {len(starting)} of {len(runs)} runs, {args.jobs} at a time", flush=True)
         env = run_env(args.jobs)
         signum = execute(starting, args.jobs, lambda run: (run.local_command(), env))
@@ -645,9 +644,6 @@ def main(argv=None) -> int:
         if args.jobs < 1:
             raise SweepError(f"--jobs must be >= 1, got {args.jobs}")
         runs = expand(load_spec(spec_path), args.scale, args.seeds, args.set, out)
-        if args.dry_run:
-            print(plan_text(runs, args.retry_failed))
-            return EXIT_ALL_FINISHED
         if args.emit:
             return emit(args, runs, spec_path, out)
         if args.task is not None:

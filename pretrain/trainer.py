@@ -160,6 +160,7 @@ class Trainer:
                     state.step, train_loss, step_time, skipped=skipped, skipped_steps=state.skipped_steps,
                     lr=self.eng.scheduler.get_lr(self.eng.engine.optimizer.param_groups[0]),
                     grad_norm=self._grad_norm(), trainable_params=self.param_counts[0])
+            logger.step_done(state.step)
             too_many_skips = state.consecutive_skips >= cfg.max_consecutive_skips
             with timer.paused():
                 stopped_early = not too_many_skips and evaluator.after_step(self.eng, state)

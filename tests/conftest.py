@@ -10,6 +10,16 @@ from data_fixtures import build_slimpajama
 from pretrain_runs import LAYOUTS, REPO, run, write_config
 
 
+# Fixtures that train: a test using one starts worker processes, whatever its own marks say.
+TRAINING_FIXTURES = {"reference", "layout_runs"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TRAINING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.distributed)
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("pretrain_parallel")

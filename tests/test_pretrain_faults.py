@@ -109,19 +109,22 @@ def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(tmp_path):
     assert "differs from the one regenerated from model.seed" in out.stderr
 
 
-def test_sigterm_checkpoints_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_checkpoint_and_exit_zero_saying_so(tmp_path, signum):
     config = write_config(tmp_path, SLOWER_RUN)
     run_dir = tmp_path / "preempted"
     proc = subprocess.Popen(command(config, run_dir, ["train.steps=400"]), cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_for_step(run_dir, 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
     last = max(r.step for r in records(run_dir))
     assert last < 400
     assert RunDir(run_dir).latest_checkpoint() == checkpoint_tag(last)
     assert summary(run_dir).preempted is True
+    assert (f"interrupted at step {last}: checkpoint {RunDir(run_dir).checkpoint(checkpoint_tag(last))} saved; "
+            "the same command resumes from it") in stderr
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -41,8 +41,10 @@ def _copy(trained, tmp_path) -> Path:
 
 
 def _snapshot(run_dir: Path) -> dict:
+    """Every file's mtime and content, but the lock's: each start records itself there as the holder."""
+    lock = RunDir(run_dir).lock_file
     return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p != lock}
 
 
 def _truncate(path: Path) -> None:

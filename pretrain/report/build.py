@@ -279,9 +279,9 @@ def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
     """Write the report of the sweeps under `inputs` into `out`; returns report.md's path."""
     if last_k < 2:
         raise ReportError(f"--last-k must be at least 2 (a variance), got {last_k}")
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file: give a directory for the report")
     runs = discover_runs(inputs)
-    if not runs:
-        raise ReportError(f"no experiment records under {', '.join(map(str, inputs))}")
     sweep = sort_sweep(runs, reference)
     reference_final = {r.seed: r.run_dir.read_summary().final_valid_loss for r in sweep.used if r.arm == reference}
     target, source = choose_target(target_loss, reference, reference_final)

@@ -32,9 +32,12 @@ class SweepRun:
 
 
 def discover_runs(roots: Sequence[Path]) -> list[SweepRun]:
-    """Every run with an experiment record under the given folders, at any depth."""
+    """Every run with an experiment record under the given folders, at any depth. A folder that does
+    not exist, or none holding a record, is a ReportError saying what was there instead."""
     found: dict[tuple[str, int], SweepRun] = {}
     for root in roots:
+        if not Path(root).is_dir():
+            raise ReportError(f"{root}: no such directory")
         for record_file in sorted(Path(root).rglob(RunDir.experiment.name)):
             run_dir = RunDir(record_file.parent)
             experiment = run_dir.read_experiment()
@@ -43,7 +46,19 @@ def discover_runs(roots: Sequence[Path]) -> list[SweepRun]:
                 raise ReportError(f"arm {key[0]} seed {key[1]} appears twice: {found[key].run_dir.path} "
                                   f"and {run_dir.path}")
             found[key] = SweepRun(experiment.method, experiment.seed, run_dir, experiment)
+    if not found:
+        raise ReportError(f"no experiment records ({RunDir.experiment.name}) under "
+                          f"{'; '.join(what_is_under(Path(root)) for root in roots)}. The report reads sweep output "
+                          "directories: the --out of `python -m pretrain.sweep`, one run in each <arm>/seed<seed>/")
     return list(found.values())
+
+
+def what_is_under(root: Path) -> str:
+    """`root` and what it holds instead of experiment records, for the message that says none were found."""
+    if RunDir(root).config.exists():
+        return f"{root}, a training run dir, not a sweep's output"
+    run_dirs = sum(1 for _ in root.rglob(RunDir.config.name))
+    return f"{root}, which holds {run_dirs} training run dir{'s' if run_dirs != 1 else ''} ({RunDir.config.name})"
 
 
 def exclusion_reason(run: SweepRun) -> Optional[str]:

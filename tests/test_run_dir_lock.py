@@ -1,0 +1,237 @@
+"""One job at a time per run dir (pretrain/run_dir.py's lock): a second job is refused with status 2
+naming the first, a killed holder never blocks, the lock is handed down to the processes a job
+starts (torchrun's workers, a sweep's run), and the sweep's dry run decides as a real sweep does."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pretrain_runs import REPO, command, env, records, run, summary, write_config
+from test_pretrain_faults import _workers
+
+from pretrain import pretrain_ora, sweep
+from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary
+
+# Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
+HOLDER = ("import sys, time\nfrom pretrain.run_dir import RunDir\n"
+          "lock = RunDir(sys.argv[1]).acquire_lock()\nprint('held', flush=True)\ntime.sleep(600)\n")
+
+
+def holder_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-c", HOLDER, str(run_dir)]
+
+
+def start_holder(run_dir: Path, **popen) -> subprocess.Popen:
+    holder = subprocess.Popen(holder_command(run_dir), cwd=REPO, stdout=subprocess.PIPE, text=True, **popen)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait()
+
+
+# ---------------------------------------------------------------------- the lock
+
+
+def test_lock_is_exclusive_records_its_holder_and_dies_with_it(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    assert run_dir.lock_holder() is None and not run_dir.path.exists()  # asking creates nothing
+    holder = start_holder(run_dir.path)
+    try:
+        held_by = run_dir.lock_holder()
+        assert held_by.startswith(f"pid {holder.pid} on ")
+        assert held_by.endswith(f": {shlex.join([sys.executable, '-c', str(run_dir.path)])}")
+        with pytest.raises(RunDirBusy, match=f"run dir {run_dir.path} is in use by pid {holder.pid} on "):
+            run_dir.acquire_lock()
+        with pytest.raises(RunDirBusy):
+            run_dir.check_lock()
+    finally:
+        kill(holder)  # SIGKILL: no chance to release anything
+    assert run_dir.lock_holder() is None
+    run_dir.check_lock()
+    lock = run_dir.acquire_lock()
+    assert run_dir.lock_holder().startswith(f"pid {os.getpid()} on ")
+    lock.release()
+    assert run_dir.lock_holder() is None
+
+
+def test_handed_down_lock_is_adopted_and_outlives_the_process_that_took_it(tmp_path):
+    """The child gets the lock as stdin with LOCK_ON_STDIN: it adopts it instead of being refused,
+    and keeps it held once the parent's descriptor is closed (as a killed parent's is)."""
+    run_dir = RunDir(tmp_path / "run")
+    lock = run_dir.acquire_lock()
+    child = start_holder(run_dir.path, stdin=lock.fd, env={**os.environ, LOCK_ON_STDIN: "1"})
+    try:
+        lock.release()
+        assert run_dir.lock_holder() is not None, "the child holds the lock"
+    finally:
+        kill(child)
+    assert run_dir.lock_holder() is None
+
+    # Without the variable, the same stdin is another job's lock: refused.
+    lock = run_dir.acquire_lock()
+    refused = subprocess.run(holder_command(run_dir.path), cwd=REPO, stdin=lock.fd, capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items() if k != LOCK_ON_STDIN}, timeout=60)
+    assert refused.returncode != 0 and "RunDirBusy" in refused.stderr
+    lock.release()
+
+
+def test_as_stdin_hands_the_lock_to_processes_started_within_and_then_restores_stdin(tmp_path):
+    """As pretrain_ora.py hands its lock to the workers torchrun starts (which inherit only 0, 1, 2)."""
+    run_dir = RunDir(tmp_path / "run")
+    lock = run_dir.acquire_lock()
+    stdin_before = os.fstat(0)
+    with lock.as_stdin():
+        child = start_holder(run_dir.path)
+    assert os.path.samestat(os.fstat(0), stdin_before) and LOCK_ON_STDIN not in os.environ
+    lock.release()
+    try:
+        assert run_dir.lock_holder() is not None, "the child holds the lock"
+    finally:
+        kill(child)
+    assert run_dir.lock_holder() is None
+
+
+# ---------------------------------------------------------------------- the entry point
+
+
+@pytest.mark.slow
+def test_second_job_exits_2_naming_the_holder_and_a_killed_holder_does_not_block(tmp_path, capsys):
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    holder = start_holder(run_dir)
+    try:
+        for extra in ([], ["--check-only"]):
+            assert pretrain_ora.main(["--config", str(config), "--run-dir", str(run_dir), *extra]) == 2
+            err = capsys.readouterr().err
+            assert f"error: run dir {run_dir} is in use by pid {holder.pid} on " in err, err
+            assert "Traceback" not in err
+        assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"], "the refused job wrote nothing"
+    finally:
+        kill(holder)
+    record = RunDir(run_dir).lock_file.read_text()
+    assert pretrain_ora.main(["--config", str(config), "--run-dir", str(run_dir), "--check-only"]) == 0
+    assert RunDir(run_dir).lock_file.read_text() == record, "--check-only writes nothing"
+    assert RunDir(run_dir).lock_holder() is None, "--check-only keeps nothing"
+
+
+@pytest.mark.distributed
+def test_the_same_two_process_command_started_twice_trains_once(tmp_path):
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    # Long enough to outlive the second start; stopped by SIGTERM (checkpoint, exit 0) once it was refused.
+    overrides = ["train.steps=5000", "train.eval_interval=5000", "checkpoint.save_interval=5000"]
+    log = tmp_path / "first.log"
+    with open(log, "w") as first_log:
+        first = subprocess.Popen(command(config, run_dir, overrides, nproc=2), cwd=REPO, env=env(),
+                                 stdout=first_log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while not records(run_dir) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert records(run_dir), "the first run did not start training"
+        workers = _workers(first)
+        assert len(workers) == 2
+        for pid in workers:  # handed down by the launcher: held while any of them lives
+            assert os.readlink(f"/proc/{pid}/fd/0") == str(RunDir(run_dir).lock_file)
+
+        started = time.time()
+        second = run(config, run_dir, overrides, nproc=2, check=False, timeout=180)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"run dir {run_dir} is in use by pid {first.pid} on " in second.stderr
+        assert "pretrain_ora.py" in second.stderr.splitlines()[-1]  # the holder's command
+        assert time.time() - started < 120 and first.poll() is None
+
+        os.kill(workers[0], signal.SIGTERM)  # every rank agrees to stop after the current step
+        first.wait(timeout=180)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, log.read_text()[-3000:]
+    steps = [r.step for r in records(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)), "one job wrote metrics.jsonl, each step once"
+    assert summary(run_dir).preempted and summary(run_dir).steps == steps[-1]
+    assert RunDir(run_dir).lock_holder() is None
+
+
+# ---------------------------------------------------------------------- the sweep
+
+
+def _spec(directory: Path) -> Path:
+    write_config(directory)
+    spec = {"config": "run.yaml", "reference": "finished", "seeds": [1],
+            "scales": {"cpu": {"processes_per_node": 1, "set": {"train.steps": 4}}},
+            "arms": {name: {"set": {"model.attention.type": "ora"}} for name in
+                     ("finished", "completed_alone", "held", "pending")}}
+    path = directory / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _finish(run: sweep.Run, status: str, config_hash: str) -> None:
+    record = sweep.started_record(run, "revision")
+    record.status, record.config_hash = status, config_hash
+    run.run_dir.write_experiment(record)
+    run.run_dir.write_summary(Summary(final_train_loss=5.0, final_valid_loss=5.0, final_test_loss=5.0,
+                                      wall_time_s=1.0, steps=4, stopped_early=False, preempted=False,
+                                      tokens_seen=1, skipped_steps=0, trainable_params=1, frozen_params=1))
+
+
+def test_sweep_hands_the_lock_to_its_run_which_outlives_the_sweep(tmp_path):
+    (run, *_) = sweep.expand(sweep.load_spec(_spec(tmp_path)), "cpu", None, [], tmp_path / "out")
+    attempt = sweep.start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
+    try:
+        deadline = time.time() + 60
+        while attempt.process.poll() is None and "held" not in (run.run_dir.path / sweep.LOG_NAME).read_text():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        attempt.lock.release()  # the sweep's descriptor closed, as a SIGKILLed sweep's is
+        assert sweep.run_state(run) == "running"
+        assert run.run_dir.lock_holder().startswith(f"pid {attempt.process.pid} on ")  # the run, not the sweep
+        with pytest.raises(RunDirBusy):
+            sweep.start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
+    finally:
+        kill(attempt.process)
+    assert sweep.run_state(run) == "interrupted"  # its record says "running", nobody holds the lock
+
+
+@pytest.mark.slow
+def test_dry_run_decides_as_the_real_sweep_does(tmp_path, capsys):
+    spec, out = _spec(tmp_path), tmp_path / "out"
+    runs = {run.arm: run for run in sweep.expand(sweep.load_spec(spec), "cpu", None, [], out)}
+    _finish(runs["finished"], "finished", "0" * 64)  # finished with another config than the spec's now
+    _finish(runs["completed_alone"], "running", sweep.config_hash(runs["completed_alone"].cfg))
+    held = runs["held"].run_dir.acquire_lock()  # any job in the run dir, not only a sweep
+    try:
+        assert sweep.main(["--spec", str(spec), "--out", str(out), "--dry-run"]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.splitlines() == ["spec/finished/seed1: finished -> skip",
+                                             "spec/completed_alone/seed1: finished -> skip",
+                                             "spec/held/seed1: running -> skip (running elsewhere)",
+                                             "spec/pending/seed1: pending -> start"]
+        assert "warning: spec/finished/seed1 finished with another config" in captured.err
+        assert runs["completed_alone"].run_dir.read_experiment().status == "running", "a dry run writes nothing"
+
+        # A run to start without its data: the real sweep refuses before starting anything, and so does the dry run.
+        missing = ["--set", "data.mock=false", "--set", f"data.manifest={tmp_path / 'missing.json'}"]
+        outcomes = []
+        for mode in (["--dry-run"], []):
+            code = sweep.main(["--spec", str(spec), "--out", str(out), *missing, *mode])
+            outcomes.append((code, capsys.readouterr()))
+        (dry_code, dry), (real_code, real) = outcomes
+        assert dry_code == real_code == 2
+        assert dry.err == real.err
+        assert "arm 'pending'" in dry.err and "missing.json" in dry.err and "warning: spec/finished" in dry.err
+        assert dry.out == "" and "-> start" not in real.out
+        assert not runs["pending"].run_dir.path.exists()
+    finally:
+        held.release()
