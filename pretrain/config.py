@@ -19,6 +19,8 @@ from ora_megatron.model_config import ModelConfig, ParallelConfig, validate_mode
 
 REPO = Path(__file__).resolve().parents[1]
 DS_CONFIG_DIR = REPO / "ds_configs"
+# Run configs by name (tiny, small, base, large); configs/shared/ holds what presets inherit.
+PRESETS = REPO / "pretrain" / "configs"
 
 LayerSet = Union[Literal["all", "none", "first_half", "second_half"], list[int]]
 
@@ -286,6 +288,18 @@ def config_hash(cfg: RunConfig) -> str:
 def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:
     data = apply_overrides(load_yaml(path), list(overrides))
     return from_dict(RunConfig, data)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Optional[Path]:
+    """pretrain/configs/NAME.yaml when `name` is a preset's name (not a path), else None."""
+    if "/" in name or name.endswith((".yaml", ".yml")):
+        return None
+    path = PRESETS / f"{name}.yaml"
+    return path if path.is_file() else None
 
 
 def validate_for_world(cfg: RunConfig, world_size: int) -> int:

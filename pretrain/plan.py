@@ -54,7 +54,7 @@ from ora_megatron.config_io import ConfigError
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
+from pretrain.config import RunConfig, load_run_config, preset_names, preset_path, validate_for_world
 
 # DeepSpeed (and pretrain.engine / pretrain.freeze, which import it) is imported where it is used:
 # importing it logs a line to stdout, which `--json` keeps for the plan (main imports it with stdout
@@ -62,7 +62,6 @@ from pretrain.config import REPO, RunConfig, load_run_config, validate_for_world
 if TYPE_CHECKING:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-PRESETS = REPO / "pretrain" / "configs"
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 GIB = 2**30
@@ -433,14 +432,10 @@ FLAG_KEYS = {"tp": "parallel.tensor", "pp": "parallel.pipeline", "zero_stage": "
 
 def config_path(name: str) -> Path:
     """A config file, or a preset's name (pretrain/configs/NAME.yaml)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    preset = PRESETS / f"{name}.yaml"
-    if preset.is_file():
-        return preset
-    presets = sorted(p.stem for p in PRESETS.glob("*.yaml"))
-    raise ConfigError("--config", f"{name!r} is neither a file nor a preset ({', '.join(presets)})")
+    path = Path(name) if Path(name).is_file() else preset_path(name)
+    if path is None:
+        raise ConfigError("--config", f"{name!r} is neither a file nor a preset ({', '.join(preset_names())})")
+    return path
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

@@ -80,12 +80,11 @@ from typing import Any, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml, to_dict
-from pretrain.config import REPO, RunConfig, config_hash, load_run_config, validate_for_world
+from pretrain.config import REPO, RunConfig, config_hash, load_run_config, preset_path, validate_for_world
 from pretrain.run_dir import LOCK_ON_STDIN, ExperimentRecord, RunDir, RunDirBusy, RunDirLock
 
 ENTRY = REPO / "pretrain" / "pretrain_ora.py"
 LAUNCH_SCRIPT = REPO / "launch" / "pretrain_ora.sh"
-PRESETS = REPO / "pretrain" / "configs"
 DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # DESIGN.md: seeds for every comparison
 SEED_KEYS = ("model.seed", "data.seed")
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -160,10 +159,7 @@ def load_spec(path: Path) -> Spec:
         body = from_dict(SweepSpec, load_yaml(path))
     except (ConfigError, OSError, yaml.YAMLError) as e:
         raise SweepError(f"{path}: {e}") from None
-    if "/" in body.config or body.config.endswith((".yaml", ".yml")):
-        config_path = (path.parent / body.config).resolve()
-    else:
-        config_path = PRESETS / f"{body.config}.yaml"
+    config_path = preset_path(body.config) or (path.parent / body.config).resolve()
     if not config_path.is_file():
         raise SweepError(f"{path}: config {body.config!r}: no file {config_path}")
     return Spec(name=path.stem, path=path, config_path=config_path, body=body)

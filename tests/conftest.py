@@ -9,7 +9,6 @@ import pytest
 from data_fixtures import build_slimpajama
 from pretrain_runs import LAYOUTS, REPO, run, write_config
 
-
 # Fixtures that train: a test using one starts worker processes, whatever its own marks say.
 TRAINING_FIXTURES = {"reference", "layout_runs"}
 

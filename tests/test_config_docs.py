@@ -78,7 +78,7 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
         (layers, width, heads, ffn)
     assert (cfg["train"]["steps"], opt["lr"], opt["min_lr_ratio"], opt["warmup_steps"]) == \
         (steps, lr, min_lr_ratio, warmup)
-    # What the three share (paper_common.yaml).
+    # What the three share (shared/paper_common.yaml).
     assert model["family"] == "gpt2" and model["seq_length"] == 512 and model["vocab_size"] == 32000
     assert (model["hidden_dropout"], model["attention_dropout"], model["seed"]) == (0.1, 0.1, 42)
     assert model["attention"]["type"] == "ora" and model["attention"]["orthogonal_method"] == "qr"

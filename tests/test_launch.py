@@ -322,3 +322,14 @@ def test_ranks_from_the_scheduler_that_started_them():
     assert launched["WORLD_SIZE"] == "2" and "RANK" not in launched
     with pytest.raises(ConfigError, match="OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_LOCAL_RANK"):
         adopt_scheduler_ranks({"ORA_RANKS_FROM": "openmpi", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
+def test_only_run_configs_are_offered_as_presets(monkeypatch, capsys):
+    """What the presets inherit (configs/shared/) is not a preset: the launcher neither offers nor takes it."""
+    from pretrain.launch.launcher import main
+
+    monkeypatch.chdir(REPO)
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert main(["paper_common"]) == 2
+    assert "'paper_common' is neither a preset (base large small tiny) nor a YAML file" in capsys.readouterr().err

@@ -1,11 +1,12 @@
 """DeepSpeed hostfiles: one `host slots=N` line per node; blank lines and `#` comments allowed.
 
-    python -m pretrain.hostfile HOSTFILE --nodes N [--slots G] [--exact-nodes]
+    python -m pretrain.launch.hostfile HOSTFILE --nodes N [--slots G] [--exact-nodes]
 
 checks the file for a launch on its first N hosts and prints their slots per node (G, or the
-first host's when G is not given). launch/pretrain_ora.sh calls it before anything starts:
-DeepSpeed's own parser (deepspeed/launcher/runner.py, `_parse_hostfile`) only runs once the
-launch is under way, names no line, and a missing file makes it train on local devices instead.
+first host's when G is not given). The launcher (pretrain/launch/launcher.py) runs the same check
+before anything starts: DeepSpeed's own parser (deepspeed/launcher/runner.py, `_parse_hostfile`)
+only runs once the launch is under way, names no line, and a missing file makes it train on local
+devices instead.
 """
 
 from __future__ import annotations
