@@ -26,7 +26,8 @@ HADAMARD_BASE_ORDERS = (1, 2, *_PALEY_PRIME)
 
 INITS = ("orthogonal", "gaussian", "uniform")
 # Bytes of Hadamard intermediates per token chunk on CPU: 512 tokens at d 512, which with 256-1024 measured
-# fastest on the 2-core machines this was tuned on (L2 2 × 512 KiB, L3 8 MiB; pretrain/benchmarks/hadamard_chunks.py).
+# fastest on the 2-core machines this was tuned on (L2 2 × 512 KiB, L3 8 MiB;
+# pretrain/research/benchmarks/hadamard_chunks.py).
 CPU_CHUNK_BYTES = 2 << 20
 
 

@@ -7,7 +7,7 @@
 
 The config is validated (with the process count) before any worker starts. An existing run dir
 with a checkpoint is resumed; so the same command continues an interrupted run. Before resuming,
-the launching process checks (pretrain/resume_check.py) that the checkpoint's files match their
+the launching process checks (pretrain/checkpoint/resume_check.py) that the checkpoint's files match their
 integrity record — falling back to the newest intact one — and that the config changes nothing
 the checkpoint cannot take.
 """
@@ -29,8 +29,8 @@ from typing import Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
+from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
 from pretrain.config import REPO, RunConfig, config_hash, keep_offline, load_run_config, validate_for_world
-from pretrain.resume_check import ResumeRefused, check_resume
 from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, step_of_tag
 
 EXIT_CONFIG_ERROR = 2
@@ -153,9 +153,9 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     import torch.distributed as dist
 
     from ora_megatron.parallel import destroy_distributed, init_distributed
-    from pretrain.checkpoint import CheckpointSaveFailed
-    from pretrain.engine import deepspeed_config
-    from pretrain.trainer import Trainer, TrainingStopped
+    from pretrain.checkpoint.checkpointer import CheckpointSaveFailed
+    from pretrain.runtime.engine import deepspeed_config
+    from pretrain.runtime.trainer import Trainer, TrainingStopped
 
     # DeepSpeed runs the pipeline; megatron-core only needs its tensor-parallel groups.
     init_distributed(cfg.parallel.tensor, 1, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
@@ -267,7 +267,7 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
     if under_launcher:
         die_with_launcher()
     try:
-        from pretrain.data import check_data
+        from pretrain.runtime.data import check_data
 
         check_data(cfg)
     except (ConfigError, OSError) as e:
@@ -289,7 +289,7 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
             start.lock = run_dir.acquire_lock()
     except (RunDirBusy, OSError) as e:  # OSError: the run dir cannot be created
         raise StartRefused(str(e)) from e
-    from pretrain.reshard import plan_topology_change
+    from pretrain.checkpoint.reshard import plan_topology_change
 
     try:
         plan = check_resume(run_dir, cfg, world_size)

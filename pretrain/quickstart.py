@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from pretrain.export_record import recorded_files
+from pretrain.export.export_record import recorded_files
 from pretrain.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,11 +154,11 @@ STAGES = [
           _training_outputs, progress=lambda f: Progress(f.run)),
     # The training run ends with the test-set evaluation; this stage reports it from the run dir.
     Stage("test", None, _test_result, lambda f: [RunDir(f.run).metrics]),
-    Stage("export", lambda f: _python("-m", "pretrain.convert_to_hf", "--run-dir", str(f.run),
+    Stage("export", lambda f: _python("-m", "pretrain.export.convert_to_hf", "--run-dir", str(f.run),
                                       "--output", str(f.hf)),
           _export_result, lambda f: recorded_files(f.hf)),
     # Its output is the line it prints: nothing to find again, it reruns when the export does.
-    Stage("sample", lambda f: _python("-m", "pretrain.generate", "--hf", str(f.hf), "--prompt", f.prompt,
+    Stage("sample", lambda f: _python("-m", "pretrain.export.generate", "--hf", str(f.hf), "--prompt", f.prompt,
                                       "--max-new-tokens", "40", "--temperature", "0"),
           _sample_result, lambda f: []),
 ]
@@ -249,9 +249,9 @@ def next_steps(flow: Flow) -> str:
     steps = {
         "the run": [f"cat {run}/summary.json; tail -n 3 {run}/metrics.jsonl",
                     f"tensorboard --logdir {run}/tensorboard"],
-        "export, sample": [f"python -m pretrain.convert_to_hf --run-dir {run} --output {hf}  "
+        "export, sample": [f"python -m pretrain.export.convert_to_hf --run-dir {run} --output {hf}  "
                            "# replaces an earlier export of ours",
-                           f"python -m pretrain.generate --hf {hf} --prompt {shlex.quote(flow.prompt)} "
+                           f"python -m pretrain.export.generate --hf {hf} --prompt {shlex.quote(flow.prompt)} "
                            "--temperature 0.8"],
         "your data": ["python -m data_tools.train_tokenizer --input CORPUS --model-prefix TOK/sp --vocab-size 32000",
                       "python -m data_tools.build_shards --input CORPUS --tokenizer TOK/sp.model --output-dir SHARDS",

@@ -6,7 +6,7 @@
       metrics.jsonl                                  one TrainRecord / EvalRecord per line (rank 0)
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
-      experiment.yaml                                ExperimentRecord of a sweep run (pretrain/sweep.py)
+      experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep.py)
       checkpoints/latest                             tag of the newest complete checkpoint
       checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
                                                      integrity.json (size + sha256 of every other file)
@@ -111,7 +111,7 @@ class Summary:
 @dataclass
 class ExperimentRecord:
     """The research plan's record of one sweep run: which arm and seed, what it ran, what came out.
-    Written by pretrain.sweep before the run starts (status "running") and again when it ends."""
+    Written by pretrain.research.sweep before the run starts (status "running") and again when it ends."""
 
     experiment_id: str  # "<spec>/<arm>/seed<seed>"
     method: str  # the arm's name
@@ -252,11 +252,11 @@ class RunDir:
         return self.checkpoint(tag) / f"rng_rank{rank}.pt"
 
     def topology_file(self, tag: str) -> Path:
-        """The (world size, DP, TP, PP, ZeRO stage, precision) that wrote the tag (pretrain/reshard.py)."""
+        """The (world size, DP, TP, PP, ZeRO stage, precision) that wrote the tag (pretrain/checkpoint/reshard.py)."""
         return self.checkpoint(tag) / "topology.json"
 
     def topology_free_dir(self, tag: str) -> Path:
-        """The tag converted once for resuming on another topology (pretrain/reshard.py's format)."""
+        """The tag converted once for resuming on another topology (pretrain/checkpoint/reshard.py's format)."""
         return self.checkpoint(tag) / "topology_free"
 
     def integrity_record_file(self, tag: str) -> Path:

@@ -1,4 +1,5 @@
-"""pretrain.bench: arm names, the JSON report and its ratio table, on a tiny config (one process)."""
+"""pretrain.research.benchmarks.compare_arms: arm names, the JSON report and its ratio table, on a tiny
+config (one process)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from ora_megatron.config_io import ConfigError
 from ora_megatron.orthogonal import kronecker_split
-from pretrain.bench import RATIO_KEYS, SCHEMA, arm_overrides, main, ratios
+from pretrain.research.benchmarks.compare_arms import RATIO_KEYS, SCHEMA, arm_overrides, main, ratios
 
 TINY = """\
 model:
@@ -122,8 +123,8 @@ def test_bench_refuses_bad_arms_and_parallel_configs(tmp_path, capsys):
 
 
 def test_hadamard_chunks_benchmark_times_every_chunk_size(tmp_path, capsys):
-    """pretrain/benchmarks/hadamard_chunks.py: a row per chunk size, one chunk of all tokens among them."""
-    from pretrain.benchmarks.hadamard_chunks import main as chunks_main
+    """pretrain/research/benchmarks/hadamard_chunks.py: a row per chunk size, one chunk of all tokens among them."""
+    from pretrain.research.benchmarks.hadamard_chunks import main as chunks_main
 
     out = tmp_path / "chunks.json"
     argv = ["--d-model", "24", "--tokens", "10", "--chunks", "4,3", "--repeats", "2", "--json", str(out)]

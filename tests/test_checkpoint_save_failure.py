@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from pretrain_runs import REPO, env, losses_by_step, run, write_config
 
-from pretrain import checkpoint
-from pretrain.checkpoint import Checkpointer, CheckpointSaveFailed, TrainState
+from pretrain.checkpoint import checkpointer as checkpoint
+from pretrain.checkpoint.checkpointer import Checkpointer, CheckpointSaveFailed, TrainState
 from pretrain.config import CheckpointConfig
 from pretrain.run_dir import RunDir
 

@@ -15,8 +15,7 @@ from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ParallelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from ora_megatron.stages import build_staged_gpt, stage_specs
-from pretrain.config import FreezeStage
-from pretrain.consolidate import (
+from pretrain.checkpoint.consolidate import (
     FP32_MASTER,
     MODULE,
     CheckpointMismatch,
@@ -24,6 +23,7 @@ from pretrain.consolidate import (
     consolidated_state_dict,
     pipeline_layer_file_stage,
 )
+from pretrain.config import FreezeStage
 from pretrain.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ from pretrain_runs import REPO, run, write_config
 from safetensors.torch import load_file
 
 from ora_megatron.families import gpt2_hf, llama_hf
-from pretrain.convert_to_hf import ExportError, export, main
+from pretrain.export.convert_to_hf import ExportError, export, main
 from pretrain.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
@@ -123,7 +123,7 @@ def test_tokenizer_and_generation_from_the_export(exports, shards):
     for text in TEXTS:
         assert tokenizer.encode(text, add_special_tokens=False) == sp.encode(text), text
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (sp.bos_id(), sp.eos_id())
-    sample = subprocess.run([sys.executable, "-m", "pretrain.generate", "--hf", str(out), "--prompt", "The",
+    sample = subprocess.run([sys.executable, "-m", "pretrain.export.generate", "--hf", str(out), "--prompt", "The",
                              "--max-new-tokens", "8"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert sample.startswith("The") and len(sample.strip()) > len("The")
     generated = pipeline("text-generation", model=str(out))("The", max_new_tokens=5, do_sample=False)

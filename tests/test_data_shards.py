@@ -1,4 +1,4 @@
-"""data_tools.build_shards / inspect / manifest: megatron-core indexed datasets from a
+"""data_tools.build_shards / inspect_shards / manifest: megatron-core indexed datasets from a
 SlimPajama-format corpus, their manifest, splits, blends, determinism, resume and --strict."""
 
 import contextlib
@@ -23,7 +23,7 @@ from data_fixtures import SOURCES, build_slimpajama
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from data_tools import build_shards, readers, train_tokenizer
-from data_tools import inspect as inspect_tool
+from data_tools import inspect_shards as inspect_tool
 from data_tools.build_options import BuildOptionError, BuildOptions
 from data_tools.manifest import blend_from_manifest, blend_per_split_from_manifest
 from data_tools.split_plan import SplitPlan

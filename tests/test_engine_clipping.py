@@ -9,8 +9,8 @@ from deepspeed.runtime.utils import clip_grad_norm_
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import OptimizerConfig, RunConfig, TrainConfig
-from pretrain.ds_internals import keep_fp32_clip_norm
-from pretrain.engine import build_engine, lm_loss
+from pretrain.runtime.ds_internals import keep_fp32_clip_norm
+from pretrain.runtime.engine import build_engine, lm_loss
 
 
 @pytest.fixture(scope="module", autouse=True)

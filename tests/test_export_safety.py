@@ -1,4 +1,4 @@
-"""pretrain.convert_to_hf never writes over the run it reads, the current directory or a user's
+"""pretrain.export.convert_to_hf never writes over the run it reads, the current directory or a user's
 files; it replaces only what an export of ours wrote (or anything, with --force); it never
 reaches the network."""
 
@@ -12,8 +12,8 @@ from pretrain_runs import write_config
 
 from ora_megatron.config_io import to_dict
 from pretrain.config import load_run_config
-from pretrain.convert_to_hf import main
-from pretrain.export_record import EXPORT_RECORD
+from pretrain.export.convert_to_hf import main
+from pretrain.export.export_record import EXPORT_RECORD
 from pretrain.run_dir import RunDir
 
 

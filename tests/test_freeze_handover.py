@@ -10,9 +10,9 @@ from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import AttentionConfig, ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
-from pretrain.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
-from pretrain.engine import build_engine, lm_loss
-from pretrain.freeze import apply_freeze_stage
+from pretrain.runtime.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
+from pretrain.runtime.engine import build_engine, lm_loss
+from pretrain.runtime.freeze import apply_freeze_stage
 
 
 @pytest.fixture(scope="module", autouse=True)

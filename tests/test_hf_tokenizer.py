@@ -1,4 +1,4 @@
-"""pretrain.hf_tokenizer: the sentencepiece model as a transformers fast tokenizer with sentencepiece's ids."""
+"""pretrain.export.hf_tokenizer: the sentencepiece model as a transformers fast tokenizer with sentencepiece's ids."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from sentencepiece import sentencepiece_model_pb2 as model_pb2
 from transformers import AutoTokenizer
 
 from data_tools import train_tokenizer
-from pretrain.hf_tokenizer import (
+from pretrain.export.hf_tokenizer import (
     SLOW_MODEL_FILE,
     UnsupportedTokenizerError,
     build_fast_tokenizer,

@@ -1,6 +1,6 @@
 """Before launch, a manifest's data is checked against the files and the config: the tokenizer is the
 one the shards were built with, every shard has the sizes and document count the manifest records,
-a split shorter than one sample is warned about (pretrain.data.check_data), and data_tools.inspect
+a split shorter than one sample is warned about (pretrain.runtime.data.check_data), and data_tools.inspect_shards
 reports a damaged shard instead of crashing on it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shutil
 import pytest
 from pretrain_runs import write_config
 
-from data_tools import inspect as inspect_tool
+from data_tools import inspect_shards as inspect_tool
 from data_tools import train_tokenizer
 from pretrain import pretrain_ora
 

@@ -1,4 +1,4 @@
-"""pretrain/plan.py against what DeepSpeed allocates, what the model keeps for backward, and its CLI."""
+"""pretrain/research/memory_plan.py against what DeepSpeed allocates, what the model keeps for backward, and its CLI."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from distributed import run_on_ranks
 
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from ora_megatron.stages import build_staged_gpt
-from pretrain import plan
 from pretrain.config import REPO, load_run_config
+from pretrain.research import memory_plan as plan
 
 # Hidden size 385 (5 heads of 77): the Q/K/V/MLP matrices exceed ZeRO-3's 1e5-element persistence
 # threshold (so they are partitioned), the embedding stays under it, and odd sizes make DeepSpeed pad
@@ -79,7 +79,7 @@ class StateReader:
     (gradients, DeepSpeed's buffers), keeping the reading where the rest peaks."""
 
     def __init__(self, engine, before: list[torch.Tensor]):
-        from pretrain.ds_internals import base_optimizer, optimizer_flat_params
+        from pretrain.runtime.ds_internals import base_optimizer, optimizer_flat_params
 
         # Held, not just remembered: a freed storage's address could be reused by a new one.
         self.before, self.baseline = before, _storages(before).keys()
@@ -133,7 +133,7 @@ def _measure_layout(path: str, zero: int, precision: str) -> dict:
     """Two steps (Adam state exists from the first); the second is read after forward, inside backward
     (when the last gradient arrives), after backward, and in the step (each flatten of a gradient
     partition, and before each optimizer step)."""
-    from pretrain.engine import batch_loss, build_engine
+    from pretrain.runtime.engine import batch_loss, build_engine
 
     cfg = load_run_config(path, overrides(zero, precision))
     before = _live_tensors()
@@ -220,7 +220,7 @@ def test_pipeline_stages_hold_their_layers_and_a_tied_embedding_each(one_process
 # ---------------------------------------------------------------- activations
 def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes of distinct storages autograd keeps for backward after forward and loss (weights excluded)."""
-    from pretrain.engine import lm_loss
+    from pretrain.runtime.engine import lm_loss
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -258,7 +258,7 @@ def test_saved_activations_match_the_formula(one_process, run_config, attention,
 def test_activation_peak_on_gpu(one_process, checkpointing):
     """bf16, SDPA's GPU kernels: the peak of one forward+backward above the weights and (pre-allocated)
     gradients, against the plan's activations. Tolerance 15%: backward temporaries are not modelled."""
-    from pretrain.engine import lm_loss
+    from pretrain.runtime.engine import lm_loss
 
     cfg = load_run_config(str(plan.config_path("small")), ["train.micro_batch_size=8",
                                                            f"train.activation_checkpointing={checkpointing}"])
@@ -284,7 +284,8 @@ def test_activation_peak_on_gpu(one_process, checkpointing):
 @pytest.mark.slow
 def test_verdict_flips_when_the_gpu_shrinks(capsys):
     """As a command, stdout is the JSON alone (DeepSpeed logs a line on import: it goes to stderr)."""
-    command = [sys.executable, "-m", "pretrain.plan", "--config", "small", "--world-size", "8", "--json"]
+    command = [sys.executable, "-m", "pretrain.research.memory_plan", "--config", "small", "--world-size", "8",
+               "--json"]
     roomy = json.loads(subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout)
     assert plan.main(["--config", "small", "--world-size", "8", "--gpu-memory-gb", "1", "--json"]) == 0
     tight = json.loads(capsys.readouterr().out)

@@ -8,7 +8,7 @@ import torch
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, RunConfig, TrainConfig
-from pretrain.engine import build_engine, lm_loss
+from pretrain.runtime.engine import build_engine, lm_loss
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,8 +15,8 @@ import pytest
 from pretrain_runs import REPO, env, write_config
 
 from pretrain.config import HUB_OFFLINE_ENVIRONMENT, load_run_config
-from pretrain.metrics import wandb_run_id
 from pretrain.run_dir import RunDir
+from pretrain.runtime.metrics import wandb_run_id
 
 # Runs `python -c AUDITED LOG MODULE ARGS...`: MODULE.main(ARGS) with every host name lookup and
 # every connection that leaves the machine refused and written to LOG. Local sockets (AF_UNIX:
@@ -53,8 +53,8 @@ def offline_run(tmp_path_factory, shards):
     commands = {
         "train": ["pretrain.pretrain_ora", "--config", str(write_config(root)), "--run-dir", str(run_dir),
                   *[arg for item in settings for arg in ("--set", item)]],
-        "export": ["pretrain.convert_to_hf", "--run-dir", str(run_dir), "--output", str(export_dir)],
-        "generate": ["pretrain.generate", "--hf", str(export_dir), "--prompt", "The", "--max-new-tokens", "4"],
+        "export": ["pretrain.export.convert_to_hf", "--run-dir", str(run_dir), "--output", str(export_dir)],
+        "generate": ["pretrain.export.generate", "--hf", str(export_dir), "--prompt", "The", "--max-new-tokens", "4"],
     }
     # What the entry points must set themselves, not inherit.
     environment = {k: v for k, v in env().items() if k not in {*HUB_OFFLINE_ENVIRONMENT, "WANDB_MODE"}}

@@ -162,7 +162,7 @@ def test_partial_frozen_schedule_unfreezes_at_the_right_steps(tmp_path):
 
 
 # One process at ZeRO-0 in fp32 is the single-replica path: no gradient all-reduce, and the
-# finiteness check reads the norm DeepSpeed clipped with (pretrain/engine.py, SkippingAdamW).
+# finiteness check reads the norm DeepSpeed clipped with (pretrain/runtime/engine.py, SkippingAdamW).
 @pytest.mark.parametrize("zero_stage, nproc", [(0, 2), (2, 2), (0, 1)])
 def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage, nproc):
     import math
@@ -279,7 +279,7 @@ def _saves_when_sigterm_arrives_at(rank, config_path, run_dir, overrides, sigter
     from deepspeed import DeepSpeedEngine
 
     from pretrain.config import load_run_config, validate_for_world
-    from pretrain.trainer import Trainer
+    from pretrain.runtime.trainer import Trainer
 
     cfg = load_run_config(config_path, overrides)
     saved = []

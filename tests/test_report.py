@@ -1,4 +1,4 @@
-"""pretrain.report on sweeps built through the RunDir API, with answers known by hand."""
+"""pretrain.research.report on sweeps built through the RunDir API, with answers known by hand."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from pretrain.report import plots
-from pretrain.report.__main__ import main
-from pretrain.report.build import build_report
-from pretrain.report.runs import (
+from pretrain.research.report import plots
+from pretrain.research.report.__main__ import main
+from pretrain.research.report.build import build_report
+from pretrain.research.report.runs import (
     SweepRun,
     exclusion_reason,
     last_k_variance,
@@ -24,7 +24,7 @@ from pretrain.report.runs import (
     steps_to_target,
     training_seconds_until,
 )
-from pretrain.report.stats import compare_paired, holm
+from pretrain.research.report.stats import compare_paired, holm
 from pretrain.run_dir import EvalRecord, ExperimentRecord, RunDir, Summary, TrainRecord
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -13,8 +13,8 @@ import pytest
 from pretrain_runs import REPO, command, env, records, run, write_config
 
 from ora_megatron.config_io import to_dict
+from pretrain.checkpoint.resume_check import POLICIES, TOPOLOGY, TOPOLOGY_KEYS, UNCLASSIFIED, flatten, policy_of
 from pretrain.config import RunConfig
-from pretrain.resume_check import POLICIES, TOPOLOGY, TOPOLOGY_KEYS, UNCLASSIFIED, flatten, policy_of
 from pretrain.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed

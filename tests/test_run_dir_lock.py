@@ -17,7 +17,8 @@ import yaml
 from pretrain_runs import REPO, command, env, records, run, summary, write_config
 from test_pretrain_faults import _workers
 
-from pretrain import pretrain_ora, sweep
+from pretrain import pretrain_ora
+from pretrain.research import sweep
 from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.

@@ -1,4 +1,4 @@
-"""pretrain/sweep.py: expansion and validation of specs (the shipped ones included), the dry run and
+"""pretrain/research/sweep.py: expansion and validation of specs (the shipped ones included), the dry run and
 the emitted commands and SLURM script, and real tiny sweeps: records, finished and failed runs
 skipped, an interrupted sweep resumed from its checkpoint, a SLURM task through the launch script."""
 
@@ -17,7 +17,7 @@ import pytest
 import yaml
 from pretrain_runs import ENTRY, REPO, env, write_config
 
-from pretrain import sweep
+from pretrain.research import sweep
 from pretrain.run_dir import RunDir
 
 EXPERIMENTS = REPO / "pretrain" / "experiments"
@@ -233,7 +233,7 @@ def test_interrupted_sweep_resumes_its_run_from_the_checkpoint(tmp_path, one_thr
         "train.steps": steps, "train.eval_interval": steps, "checkpoint.save_interval": 3})
     out = tmp_path / "out"
     run_dir = RunDir(out / "ora" / "seed1")
-    process = subprocess.Popen([sys.executable, "-m", "pretrain.sweep", *sweep_args(spec, out)], cwd=REPO,
+    process = subprocess.Popen([sys.executable, "-m", "pretrain.research.sweep", *sweep_args(spec, out)], cwd=REPO,
                                env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while run_dir.latest_checkpoint() is None and process.poll() is None and time.time() < deadline:

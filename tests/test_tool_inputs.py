@@ -1,6 +1,6 @@
-"""The user-facing tools on input that parses but cannot be honoured: pretrain.generate (never the
-network, positions, empty prompt, flags), pretrain.report and pretrain.plan (flags, folders), and
-the quickstart's stages (outputs gone since a stage finished, progress, what to do next)."""
+"""The user-facing tools on input that parses but cannot be honoured: pretrain.export.generate (never
+the network, positions, empty prompt, flags), pretrain.research.report and pretrain.research.memory_plan
+(flags, folders), and the quickstart's stages (outputs gone since a stage finished, progress, what to do next)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 from network_guard import no_network
 
-from pretrain import plan, quickstart
-from pretrain.generate import main as generate_main
-from pretrain.report.__main__ import main as report_main
+from pretrain import quickstart
+from pretrain.export.generate import main as generate_main
+from pretrain.research import memory_plan as plan
+from pretrain.research.report.__main__ import main as report_main
 from pretrain.run_dir import EvalRecord, RunDir, TrainRecord
 
-# ---------------------------------------------------------------------------- pretrain.generate
+# ---------------------------------------------------------------------------- pretrain.export.generate
 POSITIONS = 16
 WORDS = "the quick brown fox jumps over lazy dog def main self return import class".split()
 
@@ -31,7 +32,7 @@ def hf_dir(tmp_path_factory) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from data_tools import train_tokenizer
-    from pretrain.hf_tokenizer import export_tokenizer
+    from pretrain.export.hf_tokenizer import export_tokenizer
 
     root = tmp_path_factory.mktemp("generate")
     rng = random.Random(0)
@@ -53,7 +54,7 @@ def test_generate_never_reaches_the_network(hf_dir, tmp_path, monkeypatch, capsy
     with no_network() as attempts:
         code = generate_main(["--hf", "demo/hff", "--prompt", "the quick"])
     assert (code, attempts) == (2, [])
-    assert "--hf demo/hff: not a directory written by pretrain.convert_to_hf" in capsys.readouterr().err
+    assert "--hf demo/hff: not a directory written by pretrain.export.convert_to_hf" in capsys.readouterr().err
     with no_network() as attempts:
         code = generate_main(["--hf", str(hf_dir), "--prompt", "the quick", "--max-new-tokens", "3",
                               "--temperature", "0"])
@@ -87,7 +88,7 @@ def test_generate_refuses_what_it_cannot_sample(hf_dir, capsys, flags, message):
     assert message in err and "Traceback" not in err
 
 
-# ---------------------------------------------------------------------------- pretrain.report
+# ---------------------------------------------------------------------------- pretrain.research.report
 def report_error(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         report_main(argv)
@@ -105,7 +106,7 @@ def test_report_on_a_training_run_says_it_reads_sweep_outputs(tmp_path, capsys):
     run.write_run_files({}, {}, {})
     err = report_error([str(run.path), "--out", str(tmp_path / "report")], capsys)
     assert f"{run.path}, a training run dir, not a sweep's output" in err
-    assert "The report reads sweep output directories: the --out of `python -m pretrain.sweep`" in err
+    assert "The report reads sweep output directories: the --out of `python -m pretrain.research.sweep`" in err
     err = report_error([str(tmp_path), "--out", str(tmp_path / "report")], capsys)
     assert f"{tmp_path}, which holds 1 training run dir (config.yaml)" in err
     assert not (tmp_path / "report").exists()
@@ -121,7 +122,7 @@ def test_report_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-# ---------------------------------------------------------------------------- pretrain.plan
+# ---------------------------------------------------------------------------- pretrain.research.memory_plan
 @pytest.mark.parametrize("flags, message", [
     (["--world-size", "0"], "'--world-size': must be at least 1, got 0"),
     (["--world-size", "8", "--gpu-memory-gb", "-5"], "'--gpu-memory-gb': must be a positive number of GiB, got -5.0"),
@@ -181,7 +182,7 @@ def test_a_stage_that_fails_when_redone_keeps_no_earlier_done(tmp_path, monkeypa
 
 
 def test_the_export_stage_is_redone_when_its_directory_is_gone(tmp_path):
-    from pretrain.export_record import EXPORT_RECORD
+    from pretrain.export.export_record import EXPORT_RECORD
 
     flow = quickstart.Flow(tmp_path, 2, quickstart.PROMPT)
     index, export = next((i, s) for i, s in enumerate(quickstart.STAGES, 1) if s.name == "export")
@@ -221,8 +222,8 @@ def test_next_steps_name_the_commands_of_this_demo(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = quickstart.next_steps(quickstart.Flow(tmp_path / "runs" / "demo", 2, "def main("))
     for command in ("cat runs/demo/run/summary.json", "tensorboard --logdir runs/demo/run/tensorboard",
-                    "python -m pretrain.convert_to_hf --run-dir runs/demo/run --output runs/demo/hf",
-                    "python -m pretrain.generate --hf runs/demo/hf --prompt 'def main('",
+                    "python -m pretrain.export.convert_to_hf --run-dir runs/demo/run --output runs/demo/hf",
+                    "python -m pretrain.export.generate --hf runs/demo/hf --prompt 'def main('",
                     "python -m data_tools.build_shards", "DATA_MANIFEST=SHARDS/manifest.json launch/pretrain_ora.sh",
                     "make test-fast"):
         assert command in text, command

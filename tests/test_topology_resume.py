@@ -1,4 +1,4 @@
-"""Resume on a different topology (pretrain/reshard.py), end to end.
+"""Resume on a different topology (pretrain/checkpoint/reshard.py), end to end.
 
 Each test takes a run saved at step 3 in layout A, resumes it in layout B (the same command with
 other parallel settings / process count) to step 6, and checks that (1) every loss logged after the
@@ -19,8 +19,8 @@ import pytest
 import torch
 from pretrain_runs import REPO, command, env, losses_by_step, records, run, write_config
 
-from pretrain import reshard
-from pretrain.resume_check import ResumeRefused
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint.resume_check import ResumeRefused
 from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed

@@ -14,15 +14,16 @@ from deepspeed.runtime.utils import get_flattened_grad_norm
 from megatron.core import parallel_state
 
 from ora_megatron.config_io import to_dict
-from pretrain import accounting, reshard
-from pretrain.checkpoint import Checkpointer, TrainState
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.config import RunConfig
-from pretrain.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
-from pretrain.engine import Engine, MegatronMPU, batch_loss, build_engine, data_parallel_mean
-from pretrain.evaluator import Evaluator
-from pretrain.freeze import apply_freeze_stage, freeze_stage_index
-from pretrain.metrics import IterationTimer, MetricsLogger
 from pretrain.run_dir import RunDir, Summary
+from pretrain.runtime import accounting
+from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
+from pretrain.runtime.engine import Engine, MegatronMPU, batch_loss, build_engine, data_parallel_mean
+from pretrain.runtime.evaluator import Evaluator
+from pretrain.runtime.freeze import apply_freeze_stage, freeze_stage_index
+from pretrain.runtime.metrics import IterationTimer, MetricsLogger
 
 
 class TrainingStopped(RuntimeError):
@@ -83,7 +84,7 @@ class Trainer:
             return False
         saved = self.checkpointer.read_state(tag)
         self._enter_freeze_stage(saved.freeze_stage)  # the optimizer must hold the saved trainable set
-        # Written by another topology: the launcher converted it once (pretrain/reshard.py).
+        # Written by another topology: the launcher converted it once (pretrain/checkpoint/reshard.py).
         converted = reshard.converted_checkpoint(self.run_dir, tag, self.cfg, dist.get_world_size())
         self.checkpointer.load(self.eng, tag, saved, converted)
         self.state = saved

@@ -12,8 +12,8 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from pretrain.report.runs import RunMeasures
-from pretrain.report.stats import spread
+from pretrain.research.report.runs import RunMeasures
+from pretrain.research.report.stats import spread
 
 VALID_CURVES = "valid_loss_curves.png"
 FINAL_LOSS = "final_valid_loss.png"

@@ -1,6 +1,6 @@
 """Token chunks of the Hadamard Q/K transforms: forward and input-gradient time per chunk size.
 
-    python pretrain/benchmarks/hadamard_chunks.py [--d-model 512] [--tokens 2048]
+    python pretrain/research/benchmarks/hadamard_chunks.py [--d-model 512] [--tokens 2048]
         [--chunks 2048,1024,512,256,128] [--repeats 30] [--json OUT]
 
 What `_HadamardQKV` runs for Q and K of one layer (ora_megatron.orthogonal.HadamardRows: two
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chunks = sorted({min(int(c), args.tokens) for c in args.chunks.split(",") if c} | {args.tokens}, reverse=True)
     report = run(args.d_model, args.tokens, chunks, args.repeats)
-    report["command"] = ["python", "pretrain/benchmarks/hadamard_chunks.py",
+    report["command"] = ["python", "pretrain/research/benchmarks/hadamard_chunks.py",
                          *(argv if argv is not None else sys.argv[1:])]
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

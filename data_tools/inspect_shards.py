@@ -1,6 +1,6 @@
 """Read a build_shards output back with megatron-core and check it against its manifest.
 
-    python -m data_tools.inspect OUT [--prefix PREFIX] [--document I] [--chars N] [--verify]
+    python -m data_tools.inspect_shards OUT [--prefix PREFIX] [--document I] [--chars N] [--verify]
 
 Prints per dataset prefix its split, source, documents, tokens and blend weight as loaded by
 megatron-core's IndexedDataset (a mismatch with the manifest is flagged and makes the exit status
@@ -102,7 +102,7 @@ def inspect(path: str, prefix: str | None, document: int, chars: int, verify: bo
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m data_tools.inspect", description=__doc__.split("\n\n")[0]
+        prog="python -m data_tools.inspect_shards", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("path", help="build output directory or its manifest.json")
     parser.add_argument("--prefix", default=None, help="dataset to decode from (default: first)")

@@ -1,6 +1,6 @@
 """Sample text from an exported model with plain transformers (what a user of the export runs).
 
-    python -m pretrain.generate --hf DIR --prompt "Once upon a time" [--max-new-tokens 40] [--temperature 0.8]
+    python -m pretrain.export.generate --hf DIR --prompt "Once upon a time" [--max-new-tokens 40] [--temperature 0.8]
 
 DIR is read from disk only (never the Hugging Face hub: a mistyped path is an error, not a download).
 The prompt's tokens plus --max-new-tokens must fit the model's positions (its training sequence length).
@@ -25,7 +25,7 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 40, temperature: fl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (Path(hf_dir) / "config.json").is_file():
-        raise GenerateError(f"--hf {hf_dir}: not a directory written by pretrain.convert_to_hf (no config.json)")
+        raise GenerateError(f"--hf {hf_dir}: not a directory written by pretrain.export.convert_to_hf (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     inputs = tokenizer(prompt, return_tensors="pt")
@@ -44,7 +44,7 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 40, temperature: fl
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf", required=True, help="directory written by pretrain.convert_to_hf")
+    parser.add_argument("--hf", required=True, help="directory written by pretrain.export.convert_to_hf")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

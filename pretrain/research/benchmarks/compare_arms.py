@@ -1,10 +1,10 @@
 """Attention variants side by side through the real training stack: speed, memory and FLOPs.
 
-    python -m pretrain.bench --config FILE|PRESET [--set k=v ...] --arms vanilla,ora,ora_hadamard
-        [--steps N] [--warmup W] [--json OUT]
+    python -m pretrain.research.benchmarks.compare_arms --config FILE|PRESET [--set k=v ...]
+        --arms vanilla,ora,ora_hadamard [--steps N] [--warmup W] [--json OUT]
 
 One process (gloo, TP = PP = 1). Every arm is the run config with its attention swapped in, built
-by the trainer's own builder (`pretrain.engine.build_engine`: StagedGPT, AdamW groups of the
+by the trainer's own builder (`pretrain.runtime.engine.build_engine`: StagedGPT, AdamW groups of the
 trainable parameters, the DeepSpeed engine with the config's ZeRO stage and precision), and fed
 the same synthetic token batches. After `--warmup` steps per arm, the arms take turns step by step
 (round r starts with arm r mod n, so drifting machine load hits all alike); medians are reported,
@@ -27,7 +27,7 @@ Per arm:
   and, on GPU, the SDPA kernels; torch has no formula for the CPU flash-attention kernel, so on
   CPU the attention scores are left out, as are elementwise work and gathers;
 - bytes held from the live tensors: parameters (trainable / frozen), gradients and optimizer
-  state (pretrain.accounting, as the trainer's summary reads them), and activations saved for
+  state (pretrain.runtime.accounting, as the trainer's summary reads them), and activations saved for
   backward (saved-tensor hooks over one micro-batch's forward; unique storages, parameters and
   buffers excluded). On CPU that is the whole per-arm memory account: the process's RSS holds
   every arm at once and is not split. On GPU also the allocator's peak over one step of this arm alone
@@ -38,7 +38,8 @@ Per arm:
 The block-dominated CPU comparison of issue 10 (the ratios it checks: ora ≤ 0.97, ora_hadamard ≤
 0.90 × vanilla step time):
 
-    python -m pretrain.bench --config tiny --arms vanilla,ora,ora_hadamard --steps 20 --warmup 3 \\
+    python -m pretrain.research.benchmarks.compare_arms --config tiny --arms vanilla,ora,ora_hadamard \\
+        --steps 20 --warmup 3 \\
         --set model.num_layers=8 --set model.hidden_size=512 --set model.num_attention_heads=8 \\
         --set model.ffn_hidden_size=2048 --set model.seq_length=256 --set model.vocab_size=4096 \\
         --set train.micro_batch_size=8 --set train.global_batch_size=8 --json bench.json
@@ -68,7 +69,9 @@ from ora_megatron.model_config import AttentionType
 from ora_megatron.orthogonal import METHODS
 from ora_megatron.summary import train_flops_per_token
 from pretrain.config import RunConfig, load_run_config, validate_for_world
-from pretrain.plan import config_path  # a file, or a preset name: resolved as `python -m pretrain.plan` does
+from pretrain.research.memory_plan import (
+    config_path,  # a file, or a preset name: resolved as `python -m pretrain.research.memory_plan` does
+)
 
 SCHEMA = "ora-bench/1"
 ATTENTION_TYPES = typing.get_args(AttentionType)
@@ -142,7 +145,7 @@ class Arm:
     name: str
     cfg: RunConfig
     grad_accum: int
-    eng: object  # pretrain.engine.Engine
+    eng: object  # pretrain.runtime.engine.Engine
     step_times: list[float] = field(default_factory=list)
     step_cpu_times: list[float] = field(default_factory=list)
     inference_times: list[float] = field(default_factory=list)
@@ -156,7 +159,7 @@ class Arm:
     def train_step(self, batches, step: int, forward_context=lambda micro: contextlib.nullcontext(),
                    after_backward=lambda micro: None) -> None:
         """One optimizer step, as Trainer._train_step takes it through a plain engine."""
-        from pretrain.engine import batch_loss
+        from pretrain.runtime.engine import batch_loss
 
         engine = self.eng.engine
         self.eng.scheduler.step(1)
@@ -178,7 +181,7 @@ class Arm:
 
     def probe_step(self, batches, step: int) -> None:
         """One training step under FlopCounterMode and saved-tensor hooks; reads gradient bytes too."""
-        from pretrain import accounting
+        from pretrain.runtime import accounting
 
         engine = self.eng.engine
         saved = SavedTensorBytes(engine.module)
@@ -210,7 +213,7 @@ class Arm:
         self.probe["saved_activation_bytes"] = saved.total
 
     def report(self) -> dict:
-        from pretrain import accounting
+        from pretrain.runtime import accounting
 
         engine, model = self.eng.engine, self.cfg.model
         params = list(engine.module.parameters())
@@ -283,7 +286,7 @@ def ratios(arms: list[dict]) -> list[dict]:
 def run_bench(config: str, overrides: list[str], arm_names: list[str], steps: int, warmup: int,
               log=print) -> dict:
     """Build every arm, warm up, time them round-robin; the report as a JSON-able dict."""
-    from pretrain.engine import build_engine
+    from pretrain.runtime.engine import build_engine
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     configs = [arm_config(config, overrides, name) for name in arm_names]
@@ -401,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_group:
             destroy_distributed()
-    report["command"] = ["python", "-m", "pretrain.bench", *(argv if argv is not None else sys.argv[1:])]
+    report["command"] = ["python", "-m", __spec__.name, *(argv if argv is not None else sys.argv[1:])]
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     print(table(report))

@@ -12,7 +12,7 @@ checkpoint once, before any worker starts, to a topology-free form cached in the
 
 one entry per optimizer-held parameter, under the `{stage}.{param}` names of the TP=1 model, full
 (TP shards merged along megatron's partition_dim / partition_stride, as consolidation does), fp32.
-Partitioned optimizer files are read with DeepSpeed's own extraction (pretrain/ds_internals.py); ZeRO-0
+Partitioned optimizer files are read with DeepSpeed's own extraction (pretrain/runtime/ds_internals.py); ZeRO-0
 keeps torch's optimizer state dict (in bf16 beside DeepSpeed's fp32 copies of the weights), whose
 parameter order each checkpoint records (`optimizer_record`, saved as DeepSpeed client state).
 
@@ -44,9 +44,11 @@ from deepspeed.runtime.zero import GatheredParameters
 from megatron.core import parallel_state
 
 from ora_megatron.stages import owner_names, stage_specs
+from pretrain.checkpoint.consolidate import CheckpointMismatch, merge_tensor_parallel, module_weights, reference_model
+from pretrain.checkpoint.resume_check import ResumeRefused
 from pretrain.config import RunConfig
-from pretrain.consolidate import CheckpointMismatch, merge_tensor_parallel, module_weights, reference_model
-from pretrain.ds_internals import (
+from pretrain.run_dir import RunDir, write_text_atomic
+from pretrain.runtime.ds_internals import (
     MOMENTS,
     base_optimizer,
     checkpoint_layout,
@@ -61,9 +63,7 @@ from pretrain.ds_internals import (
     torch_optimizer_state,
     whole_tensor_masters,
 )
-from pretrain.engine import PipelinedGPT, param_groups
-from pretrain.resume_check import ResumeRefused
-from pretrain.run_dir import RunDir, write_text_atomic
+from pretrain.runtime.engine import PipelinedGPT, param_groups
 
 META = "meta.json"
 FORMAT_VERSION = 1

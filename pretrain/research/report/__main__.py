@@ -1,4 +1,4 @@
-"""`python -m pretrain.report DIR… --out REPORT_DIR [--reference vanilla] [--target-loss X] [--last-k 5]`."""
+"""`python -m pretrain.research.report DIR… --out REPORT_DIR [--reference vanilla] [--target-loss X] [--last-k 5]`."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pretrain.report.build import build_report
-from pretrain.report.runs import ReportError
+from pretrain.research.report.build import build_report
+from pretrain.research.report.runs import ReportError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pretrain.research.report", description=__doc__)
     parser.add_argument("dirs", nargs="+", type=Path, help="sweep output folders (runs in <arm>/seed<seed>/)")
     parser.add_argument("--out", required=True, type=Path, help="folder for report.md, tables and plots")
     parser.add_argument("--reference", default="vanilla", help="the arm every other arm is compared with")

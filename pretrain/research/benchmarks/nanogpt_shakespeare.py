@@ -1,6 +1,6 @@
 """The nanoGPT `shakespeare_char` CPU yardstick: our whole stack beside nanoGPT itself, in one invocation.
 
-    python pretrain/benchmarks/nanogpt_shakespeare.py --input runs/data/tinyshakespeare.txt \
+    python pretrain/research/benchmarks/nanogpt_shakespeare.py --input runs/data/tinyshakespeare.txt \
         [--nanogpt PATH_TO_NANOGPT_CHECKOUT] [--out-dir runs/bench/shakespeare] [--steps 2000] \
         [--attention vanilla ora] [--slice 3]
 
@@ -51,7 +51,7 @@ import yaml
 
 from pretrain.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BLOCK, BATCH = 64, 12
 TOKENS_PER_ITER = BLOCK * BATCH
 EVAL_INTERVAL = 250  # config/train_shakespeare_char.py

@@ -7,7 +7,7 @@ pointer atomically and prunes old tags. An interrupted save therefore leaves `la
 previous complete checkpoint, and a partial one is never loaded. A save that cannot write its
 files (a full disk) raises CheckpointSaveFailed, whose message names the cause and the checkpoint
 `latest` still points at; the partial tag is removed. Before any worker starts, the entry point
-checks the record of the checkpoint to resume from (pretrain/resume_check.py).
+checks the record of the checkpoint to resume from (pretrain/checkpoint/resume_check.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ from deepspeed.runtime.zero import GatheredParameters
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.orthogonal import matches_regenerated
-from pretrain import reshard
+from pretrain.checkpoint import reshard
 from pretrain.config import CheckpointConfig
-from pretrain.ds_internals import LEGACY_NUMPY_ARRAY, legacy_uint32_array, restrict_checkpoint_loading, safe_load
 from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.runtime.ds_internals import (
+    LEGACY_NUMPY_ARRAY,
+    legacy_uint32_array,
+    restrict_checkpoint_loading,
+    safe_load,
+)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import DS_CONFIG_DIR, RunConfig
-from pretrain.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
+from pretrain.runtime.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
 
 
 class MegatronMPU:

@@ -1,5 +1,5 @@
 """The record every Hugging Face export holds (`ora_export.json`): the run and checkpoint it was made
-from, its verification figures and the files it wrote. pretrain.convert_to_hf writes it and reads it
+from, its verification figures and the files it wrote. pretrain.export.convert_to_hf writes it and reads it
 to tell an earlier export of its own (safe to replace) from a directory of someone else's; the
 quickstart reads it to know the export is all there. Standard library only, so reading it is cheap.
 """

@@ -1,6 +1,6 @@
 """Per-GPU memory plan of a run: what the rank holding the most needs, term by term, and whether it fits.
 
-    python -m pretrain.plan --config PRESET|FILE [--set k=v ...] --world-size N [--tp T] [--pp P]
+    python -m pretrain.research.memory_plan --config PRESET|FILE [--set k=v ...] --world-size N [--tp T] [--pp P]
         [--zero-stage Z] [--micro-batch M] [--precision fp32|bf16|fp16] [--activation-checkpointing]
         [--gpu-memory-gb 80] [--json]
 
@@ -56,7 +56,7 @@ from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
 from pretrain.config import RunConfig, load_run_config, preset_names, preset_path, validate_for_world
 
-# DeepSpeed (and pretrain.engine / pretrain.freeze, which import it) is imported where it is used:
+# DeepSpeed (and pretrain.runtime.engine / pretrain.runtime.freeze, which import it) is imported where it is used:
 # importing it logs a line to stdout, which `--json` keeps for the plan (main imports it with stdout
 # sent to stderr, so its log handler writes there).
 if TYPE_CHECKING:
@@ -102,13 +102,13 @@ class Shard:
 
     numel: int
     trainable: bool
-    group: str  # its optimizer param group (pretrain.engine.param_groups); "" when frozen
+    group: str  # its optimizer param group (pretrain.runtime.engine.param_groups); "" when frozen
 
 
 # ------------------------------------------------------------------ the parameters each stage holds
 def _apply_most_trainable_freeze_stage(cfg: RunConfig, model: torch.nn.Module) -> None:
     """With a freeze schedule, take the stage with the most trainable Q/K: the one holding the most."""
-    from pretrain.freeze import trainability
+    from pretrain.runtime.freeze import trainability
 
     stages = cfg.train.freeze_stages
     if not stages:
@@ -137,7 +137,7 @@ def stage_shards(cfg: RunConfig, stages: list[list[StageSpec]]) -> list[list[Sha
     The model is built once at TP=1 on the meta device (megatron's parallel state must exist, TP=1);
     tensor-parallel parameters (megatron's `tensor_model_parallel` mark) are divided by TP.
     """
-    from pretrain.engine import param_groups
+    from pretrain.runtime.engine import param_groups
 
     tp = cfg.parallel.tensor
     with torch.device("meta"):
@@ -377,7 +377,7 @@ def zero_config(cfg: RunConfig, layout: Layout) -> DeepSpeedZeroConfig:
     """The run's `zero_optimization` section with DeepSpeed's defaults filled in."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from pretrain.engine import deepspeed_config
+    from pretrain.runtime.engine import deepspeed_config
 
     return DeepSpeedZeroConfig(**deepspeed_config(cfg, layout.grad_accum)["zero_optimization"])
 

@@ -1,6 +1,6 @@
 """Seeded sweeps: every arm of an experiment spec × every seed, each a run of pretrain/pretrain_ora.py.
 
-    python -m pretrain.sweep --spec pretrain/experiments/core.yaml --out runs/sweeps/core [--scale cpu|paper]
+    python -m pretrain.research.sweep --spec pretrain/experiments/core.yaml --out runs/sweeps/core [--scale cpu|paper]
         [--seeds 42,2024,...] [--set key=value ...] [--jobs N] [--retry-failed]
         [--dry-run | --emit commands | --emit slurm]
 
@@ -8,7 +8,7 @@ A spec (pretrain/experiments/*.yaml; a top-level `base: other.yaml` inherits as 
 
     config: small                     # the run config: a preset name (pretrain/configs/) or a path
     description: ...                  #   relative to the spec file given on the command line
-    reference: vanilla                # the arm the others are compared with (pretrain.report)
+    reference: vanilla                # the arm the others are compared with (pretrain.research.report)
     seeds: [42, 2024, 12345, 98765, 555666]
     scales:                           # --scale picks one
       cpu: {processes_per_node: 1, set: {model.num_layers: 4, train.steps: 2000, ...}}
@@ -250,7 +250,7 @@ def check_run_data(runs: list[Run]) -> None:
     """The datasets every run reads exist and give each split documents (once per distinct data config)."""
     with warnings.catch_warnings():  # megatron-core warns at import about optional kernels it lacks
         warnings.simplefilter("ignore")
-        from pretrain.data import check_data
+        from pretrain.runtime.data import check_data
 
     checked = set()
     for run in runs:
@@ -553,7 +553,7 @@ cd {shlex.quote(os.getcwd())}
 # shellcheck disable=SC2016,SC2054
 sweep_args=({arguments}
 )
-exec python -m pretrain.sweep "${{sweep_args[@]}}" --task "$SLURM_ARRAY_TASK_ID"
+exec python -m pretrain.research.sweep "${{sweep_args[@]}}" --task "$SLURM_ARRAY_TASK_ID"
 """
 
 
@@ -561,7 +561,7 @@ exec python -m pretrain.sweep "${{sweep_args[@]}}" --task "$SLURM_ARRAY_TASK_ID"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.research.sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", required=True, type=Path, help="experiment spec YAML (pretrain/experiments/)")
     parser.add_argument("--out", required=True, type=Path, help="sweep directory: OUT/<arm>/seed<seed>")
     parser.add_argument("--scale", default="cpu", help="one of the spec's scales (default: cpu)")

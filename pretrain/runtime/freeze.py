@@ -13,14 +13,14 @@ import torch
 
 from ora_megatron.attention import RandomQKVLinear
 from pretrain.config import RunConfig
-from pretrain.ds_internals import (
+from pretrain.runtime.ds_internals import (
     base_optimizer,
     full_optimizer_state,
     link_optimizer_fragments,
     set_full_optimizer_state,
     whole_tensor_masters,
 )
-from pretrain.engine import build_engine
+from pretrain.runtime.engine import build_engine
 
 
 def freeze_stage_index(cfg: RunConfig, step: int) -> int:

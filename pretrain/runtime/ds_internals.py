@@ -320,7 +320,7 @@ def restrict_checkpoint_loading(engine) -> None:
 
 
 # ---------------------------------------------------------------------------- reading saved checkpoints
-# pretrain/reshard.py converts a checkpoint of one (DP, TP, PP, ZeRO) layout to per-parameter state.
+# pretrain/checkpoint/reshard.py converts a checkpoint of one (DP, TP, PP, ZeRO) layout to per-parameter state.
 # DeepSpeed 0.19.8 has no public reader for that: zero_to_fp32 returns weights only, and
 # `deepspeed.checkpoint.ds_to_universal.main` is unusable whole here (checked on this project's
 # checkpoints): without the client's UNIVERSAL_CHECKPOINT_INFO TP patterns it concatenates replicated

@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch
 
-from pretrain.checkpoint import TrainState
+from pretrain.checkpoint.checkpointer import TrainState
 from pretrain.config import RunConfig
-from pretrain.data import StepBatches
-from pretrain.engine import batch_loss, data_parallel_mean
-from pretrain.metrics import MetricsLogger
+from pretrain.runtime.data import StepBatches
+from pretrain.runtime.engine import batch_loss, data_parallel_mean
+from pretrain.runtime.metrics import MetricsLogger
 
 
 class Evaluator:

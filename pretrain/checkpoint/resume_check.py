@@ -50,7 +50,7 @@ WORLD_SIZE_KEY = "world_size"  # not a config key: the process count (a checkpoi
 # Changes that reshape how parameters and optimizer state are partitioned over processes. Refused
 # until "resume on a different topology" exists; that work changes this set and TOPOLOGY only.
 TOPOLOGY_KEYS = frozenset({"parallel.tensor", "parallel.pipeline", "deepspeed.zero_stage", WORLD_SIZE_KEY})
-TOPOLOGY = Policy(True, "the checkpoint is converted once to a topology-free form (pretrain/reshard.py)")
+TOPOLOGY = Policy(True, "the checkpoint is converted once to a topology-free form (pretrain/checkpoint/reshard.py)")
 
 SAFE = Policy(True, "read afresh on every start")
 UNCLASSIFIED = Policy(False, "not classified in pretrain/resume_check.POLICIES, so treated as incompatible")
@@ -172,10 +172,10 @@ def check_resume(run_dir: RunDir, cfg: RunConfig, world_size: int) -> ResumePlan
 
 
 def check_files_are_data(run_dir: RunDir, tag: str) -> None:
-    """DeepSpeed's files of the checkpoint unpickle with the restricted unpickler (pretrain/ds_internals.py;
+    """DeepSpeed's files of the checkpoint unpickle with the restricted unpickler (pretrain/runtime/ds_internals.py;
     the workers read the run's own files with it too). Its integrity record cannot vouch for that: whoever
     wrote a received run dir wrote the record too."""
-    from pretrain.ds_internals import UnsafeCheckpointFile, check_checkpoint_files  # imports DeepSpeed
+    from pretrain.runtime.ds_internals import UnsafeCheckpointFile, check_checkpoint_files  # imports DeepSpeed
 
     try:
         check_checkpoint_files(run_dir.checkpoint(tag))

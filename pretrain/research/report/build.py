@@ -7,10 +7,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pretrain.report import plots
-from pretrain.report.runs import ReportError, RunMeasures, SweepRun, discover_runs, exclusion_reason, measure_run
-from pretrain.report.stats import compare_paired, holm, spread
-from pretrain.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
+from pretrain.research.report import plots
+from pretrain.research.report.runs import (
+    ReportError,
+    RunMeasures,
+    SweepRun,
+    discover_runs,
+    exclusion_reason,
+    measure_run,
+)
+from pretrain.research.report.stats import compare_paired, holm, spread
+from pretrain.research.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
 
 # Measures averaged over an arm's seeds (mean and sample std of the per-seed values).
 AVERAGED = ("final_valid_loss", "final_valid_ppl", "steps_to_target", "seconds_to_target", "aucc",

@@ -17,9 +17,9 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from pretrain.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 from pretrain.config import RunConfig, config_hash
 from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, write_text_atomic
+from pretrain.runtime.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 
 
 class IterationTimer:

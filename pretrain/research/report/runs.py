@@ -49,7 +49,8 @@ def discover_runs(roots: Sequence[Path]) -> list[SweepRun]:
     if not found:
         raise ReportError(f"no experiment records ({RunDir.experiment.name}) under "
                           f"{'; '.join(what_is_under(Path(root)) for root in roots)}. The report reads sweep output "
-                          "directories: the --out of `python -m pretrain.sweep`, one run in each <arm>/seed<seed>/")
+                          "directories: the --out of `python -m pretrain.research.sweep`, one run in each "
+                          "<arm>/seed<seed>/")
     return list(found.values())
 
 

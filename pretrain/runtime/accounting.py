@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from ora_megatron.builder import padded_vocab_size
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.summary import train_flops_per_token
-from pretrain.ds_internals import (
+from pretrain.runtime.ds_internals import (
     MOMENTS,
     full_numel,
     link_optimizer_fragments,

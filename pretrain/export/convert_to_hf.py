@@ -1,7 +1,7 @@
 """Export a run's checkpoint to Hugging Face format, verified against the source model every time.
 
-    python -m pretrain.convert_to_hf --run-dir RUN [--checkpoint TAG] --output DIR [--dtype fp32|bf16] [--no-verify]
-        [--force]
+    python -m pretrain.export.convert_to_hf --run-dir RUN [--checkpoint TAG] --output DIR [--dtype fp32|bf16]
+        [--no-verify] [--force]
 
 From any layout the trainer writes (TP, PP, ZeRO-0..3, bf16) through the consolidated fp32 state
 dict (frozen Q/K regenerated), mapped by the family's table (ora_megatron/families/*_hf.py) into
@@ -42,10 +42,15 @@ from ora_megatron.config_io import to_dict
 from ora_megatron.families import hf_mapping_of
 from ora_megatron.model_config import ParallelConfig
 from ora_megatron.stages import build_staged_gpt
+from pretrain.checkpoint.consolidate import (
+    FP32_MASTER,
+    MODULE,
+    Consolidated,
+    consolidated_state_dict,
+    tp1_parallel_state,
+)
 from pretrain.config import RunConfig
-from pretrain.consolidate import FP32_MASTER, MODULE, Consolidated, consolidated_state_dict, tp1_parallel_state
-from pretrain.ds_internals import UnsafeCheckpointFile
-from pretrain.export_record import (
+from pretrain.export.export_record import (
     EXPORT_RECORD,
     files_under,
     holds_only_an_export,
@@ -53,6 +58,7 @@ from pretrain.export_record import (
     write_export_record,
 )
 from pretrain.run_dir import RunDir
+from pretrain.runtime.ds_internals import UnsafeCheckpointFile
 
 EXIT_ERROR, EXIT_VERIFY_FAILED = 2, 1
 TOLERANCE = {"max_abs_logit": 1e-4, "mean_kl": 1e-9}
@@ -112,7 +118,7 @@ def write_export(cfg: RunConfig, consolidated: Consolidated, out_dir: Path, dtyp
     model.to(DTYPES[dtype]).save_pretrained(out_dir, max_shard_size=MAX_SHARD_SIZE, safe_serialization=True)
     GenerationConfig(**special_token_ids(tokenizer_model)).save_pretrained(out_dir)
     if tokenizer_model is not None:
-        from pretrain.hf_tokenizer import export_tokenizer
+        from pretrain.export.hf_tokenizer import export_tokenizer
 
         export_tokenizer(tokenizer_model, out_dir, model_max_length=cfg.model.seq_length)
     (out_dir / "README.md").write_text(card)
@@ -121,7 +127,7 @@ def write_export(cfg: RunConfig, consolidated: Consolidated, out_dir: Path, dtyp
 # ---------------------------------------------------------------------------------- verification
 def verification_tokens(cfg: RunConfig, rows: int = 4, random_rows: int = 2) -> torch.Tensor:
     """[rows + random_rows, seq] token ids: the run's first validation samples, then random ids."""
-    from pretrain.data import build_datasets, build_tokenizer
+    from pretrain.runtime.data import build_datasets, build_tokenizer
 
     small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1, eval_iters=1))
     # megatron-core's dataset builders synchronise through torch.distributed, even alone.
@@ -255,7 +261,7 @@ def check_output(output: Path, run_dir: Path, force: bool) -> OutputPaths:
 def export(run_dir: RunDir, output: Path, tag: Optional[str] = None, dtype: str = "fp32",
            verify_export: bool = True, force: bool = False) -> Optional[dict]:
     """Write the export of `tag` (default: latest) to `output`; returns the verification figures."""
-    from pretrain.data import tokenizer_path
+    from pretrain.runtime.data import tokenizer_path
 
     paths = check_output(output, run_dir.path, force)
     cfg = run_dir.read_config()

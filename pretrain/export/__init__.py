@@ -1,0 +1,1 @@
+"""Export to Hugging Face transformers: the verified conversion, the tokenizer, sampling from an export."""

@@ -1,0 +1,1 @@
+"""The study's tools: seeded sweeps, the statistical report, the memory plan and the benchmarks."""
