@@ -1,18 +1,25 @@
 """Pretrain a GPT with any attention variant on DeepSpeed + megatron-core.
 
-    python pretrain/pretrain_ora.py --config pretrain/configs/tiny.yaml [--set k=v ...] [--run-dir DIR]
-    python pretrain/pretrain_ora.py --config ... --nproc-per-node 2      # spawns torchrun itself
-    torchrun --nproc-per-node 2 pretrain/pretrain_ora.py --config ...
-    deepspeed --num_gpus 8 pretrain/pretrain_ora.py --config ...         # see launch/
+    python -m pretrain.pretrain_ora --config pretrain/configs/tiny.yaml [--set k=v ...] [--run-dir DIR]
+    python -m pretrain.pretrain_ora --config ... --nproc-per-node 2      # spawns torchrun itself
+    torchrun --nproc-per-node 2 -m pretrain.pretrain_ora --config ...
+    deepspeed --num_gpus 8 --module pretrain.pretrain_ora --config ...   # see launch/
 
 The config is validated (with the process count) before any worker starts. An existing run dir
 with a checkpoint is resumed; so the same command continues an interrupted run. Before resuming,
-the launching process checks (pretrain/checkpoint/resume_check.py) that the checkpoint's files match their
-integrity record — falling back to the newest intact one — and that the config changes nothing
-the checkpoint cannot take.
+the launching process checks (pretrain/checkpoint/resume_check.py) that the checkpoint's files
+match their integrity record — falling back to the newest intact one — and that the config
+changes nothing the checkpoint cannot take. `python pretrain/pretrain_ora.py ...` (a file path, as
+DeepSpeed's examples run scripts) works too.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: its folder, first on sys.path, would shadow top-level modules
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import ctypes
@@ -21,9 +28,7 @@ import os
 import platform
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import yaml
@@ -33,6 +38,7 @@ from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
 from pretrain.config import REPO, RunConfig, config_hash, keep_offline, load_run_config, validate_for_world
 from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, step_of_tag
 
+ENTRY_MODULE = "pretrain.pretrain_ora"  # python -m
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -84,7 +90,7 @@ def _launch_local(args, world_size: int, run_dir: Path, lock: RunDirLock) -> int
     """Re-run this script under torchrun with `world_size` local workers, handing them the run dir's lock."""
     from torch.distributed.run import main as torchrun
 
-    argv = [f"--nproc-per-node={world_size}", "--standalone", os.path.abspath(__file__),
+    argv = [f"--nproc-per-node={world_size}", "--standalone", "--module", ENTRY_MODULE,
             "--config", args.config, "--run-dir", str(run_dir), "--resume-checked"]
     for item in args.set:
         argv += ["--set", item]

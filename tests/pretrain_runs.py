@@ -1,4 +1,4 @@
-"""Run pretrain/pretrain_ora.py the way a user does (subprocess; torchrun for 2 processes)."""
+"""Run the training entry (python -m pretrain.pretrain_ora) as a user does: a subprocess, torchrun for 2."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
-ENTRY = REPO / "pretrain" / "pretrain_ora.py"
 
 TINY_RUN = """
 model:
@@ -48,7 +48,7 @@ def write_config(directory: Path, text: str = TINY_RUN) -> Path:
 
 
 def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[str]:
-    args = [sys.executable, str(ENTRY), "--config", str(config), "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", ENTRY_MODULE, "--config", str(config), "--run-dir", str(run_dir),
             "--nproc-per-node", str(nproc)]
     for item in overrides:
         args += ["--set", item]

@@ -163,8 +163,8 @@ def test_dry_run_pdsh_hostfile_command_and_environment_file(tmp_path):
     assert "NCCL_DEBUG=INFO" in tokens and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in tokens
     assert f"DS_ENV_FILE={run_dir / 'deepspeed_env'}" in tokens
     assert contains(tokens, "deepspeed", "--hostfile", str(hosts), "--num_nodes", "2", "--num_gpus", "2",
-                    "--master_port", "29511", "pretrain/pretrain_ora.py", "--config", str(tmp_path / "run.yaml"),
-                    "--run-dir", str(run_dir), "--set", "train.micro_batch_size=2")
+                    "--master_port", "29511", "--module", "pretrain.pretrain_ora", "--config",
+                    str(tmp_path / "run.yaml"), "--run-dir", str(run_dir), "--set", "train.micro_batch_size=2")
     assert "--launcher" not in tokens and "--no_ssh" not in tokens
     assert f"would write {run_dir / 'deepspeed_env'}" in stderr
     assert "\nNCCL_DEBUG=INFO\nTORCH_NCCL_ASYNC_ERROR_HANDLING=1\n" in stderr

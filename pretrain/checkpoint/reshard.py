@@ -328,7 +328,7 @@ def converted_checkpoint(run_dir: RunDir, tag: str, cfg: RunConfig, world_size: 
     if not is_converted(run_dir, tag):
         raise RuntimeError(f"checkpoint {tag} was written with {source} and this run is {target}, but it was not "
                            f"converted ({converted_dir(run_dir, tag)} is missing): start the run through "
-                           "pretrain/pretrain_ora.py, which converts it before the workers start")
+                           "python -m pretrain.pretrain_ora, which converts it before the workers start")
     return converted_dir(run_dir, tag)
 
 

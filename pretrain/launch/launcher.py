@@ -3,7 +3,7 @@
     launch/pretrain_ora.sh PRESET|CONFIG [--set key=value ...]     (python -m pretrain.launch.launcher ...)
 
 PRESET names a file in pretrain/configs/ (tiny, small, base, large); anything else is a YAML path.
-Further arguments go to the training entry (pretrain/pretrain_ora.py) unchanged; relative paths in
+Further arguments go to the training entry (pretrain.pretrain_ora) unchanged; relative paths in
 them are relative to the repository root. Environment:
 
     NNODES         nodes (default 1); more than one needs HOSTFILE
@@ -43,7 +43,7 @@ from typing import Mapping, Optional
 from pretrain.config import REPO, preset_names, preset_path
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
 
-ENTRY = "pretrain/pretrain_ora.py"
+ENTRY = ["--module", "pretrain.pretrain_ora"]  # run from the repository root
 USAGE = "usage: launch/pretrain_ora.sh PRESET|CONFIG [--set key=value ...] (see the top of the script)"
 
 # --set overrides that stand in for an environment variable.
@@ -250,7 +250,7 @@ def deepspeed_command(topology: Topology, entry_args: list[str], env: Environmen
         # srun reaches the nodes through SLURM; DeepSpeed's ssh check of the first host would only
         # fail where a cluster allows no ssh between nodes.
         command.append("--no_ssh_check")
-    return command + [ENTRY, *entry_args]
+    return command + [*ENTRY, *entry_args]
 
 
 def environment_file_lines(topology: Topology, env: Environment) -> list[str]:

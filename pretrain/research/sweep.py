@@ -1,4 +1,4 @@
-"""Seeded sweeps: every arm of an experiment spec × every seed, each a run of pretrain/pretrain_ora.py.
+"""Seeded sweeps: every arm of an experiment spec × every seed, each a run of pretrain.pretrain_ora.
 
     python -m pretrain.research.sweep --spec pretrain/experiments/core.yaml --out runs/sweeps/core [--scale cpu|paper]
         [--seeds 42,2024,...] [--set key=value ...] [--jobs N] [--retry-failed]
@@ -81,9 +81,9 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml, to_dict
 from pretrain.config import REPO, RunConfig, config_hash, load_run_config, preset_path, validate_for_world
+from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import LOCK_ON_STDIN, ExperimentRecord, RunDir, RunDirBusy, RunDirLock
 
-ENTRY = REPO / "pretrain" / "pretrain_ora.py"
 LAUNCH_SCRIPT = REPO / "launch" / "pretrain_ora.sh"
 DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # DESIGN.md: seeds for every comparison
 SEED_KEYS = ("model.seed", "data.seed")
@@ -200,7 +200,7 @@ class Run:
 
     def local_command(self) -> list[str]:
         """The entry point as a user runs it (torchrun spawned by it for more than one process)."""
-        return [sys.executable, str(ENTRY), "--config", str(self.spec.config_path), "--run-dir",
+        return [sys.executable, "-m", ENTRY_MODULE, "--config", str(self.spec.config_path), "--run-dir",
                 str(self.run_dir.path), "--nproc-per-node", str(self.scale.processes_per_node), *self.set_flags()]
 
     def launch_command(self) -> tuple[list[str], dict[str, str]]:

@@ -10,7 +10,7 @@ max_iters=2000 lr_decay_iters=2000 dropout=0.0): char-level, first 90% of the ch
 training and the last 10% for validation; lr 1e-3 with 100 warmup steps and cosine decay to 1e-4,
 beta2 0.99, weight decay 0.1, clip 1.0, validation every 250 steps. Ours runs the same recipe through
 the real entry points: data_tools.train_tokenizer (sentencepiece char model), data_tools.build_shards,
-pretrain/pretrain_ora.py (one process, ZeRO-0, fp32, metrics every step). nanoGPT runs from a
+pretrain.pretrain_ora (one process, ZeRO-0, fp32, metrics every step). nanoGPT runs from a
 checkout (its train.py, unchanged) on the same text and split, written here in its data format
 (train.bin / val.bin of uint16 character ids, meta.pkl), twice: as the recipe has it (bias=False)
 and with bias=True, which adds the biases of every linear and LayerNorm that our gpt2 family has:
@@ -49,6 +49,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[3]
@@ -218,7 +219,7 @@ def our_job(out_dir: Path, attention: str, config: dict) -> Job:
     config_path = out_dir / f"{attention}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_dir = out_dir / f"run_{attention}"
-    argv = [sys.executable, str(REPO / "pretrain" / "pretrain_ora.py"), "--config", str(config_path),
+    argv = [sys.executable, "-m", ENTRY_MODULE, "--config", str(config_path),
             "--run-dir", str(run_dir)]
     return Job(f"ours ({attention})", argv, REPO, out_dir / f"{attention}.log", extra={"run_dir": run_dir})
 
