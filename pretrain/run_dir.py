@@ -6,7 +6,7 @@
       metrics.jsonl                                  one TrainRecord / EvalRecord per line (rank 0)
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
-      experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep.py)
+      experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep/)
       checkpoints/latest                             tag of the newest complete checkpoint
       checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
                                                      integrity.json (size + sha256 of every other file)

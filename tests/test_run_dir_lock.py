@@ -18,7 +18,11 @@ from pretrain_runs import REPO, command, env, records, run, summary, write_confi
 from test_pretrain_faults import _workers
 
 from pretrain import pretrain_ora
-from pretrain.research import sweep
+from pretrain.config import config_hash
+from pretrain.research.sweep.__main__ import main as sweep_main
+from pretrain.research.sweep.runner import start
+from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
+from pretrain.research.sweep.state import run_state, started_record
 from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
@@ -178,8 +182,8 @@ def _spec(directory: Path) -> Path:
     return path
 
 
-def _finish(run: sweep.Run, status: str, config_hash: str) -> None:
-    record = sweep.started_record(run, "revision")
+def _finish(run: Run, status: str, config_hash: str) -> None:
+    record = started_record(run, "revision")
     record.status, record.config_hash = status, config_hash
     run.run_dir.write_experiment(record)
     run.run_dir.write_summary(Summary(final_train_loss=5.0, final_valid_loss=5.0, final_test_loss=5.0,
@@ -188,32 +192,32 @@ def _finish(run: sweep.Run, status: str, config_hash: str) -> None:
 
 
 def test_sweep_hands_the_lock_to_its_run_which_outlives_the_sweep(tmp_path):
-    (run, *_) = sweep.expand(sweep.load_spec(_spec(tmp_path)), "cpu", None, [], tmp_path / "out")
-    attempt = sweep.start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
+    (run, *_) = expand(load_spec(_spec(tmp_path)), "cpu", None, [], tmp_path / "out")
+    attempt = start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
     try:
         deadline = time.time() + 60
-        while attempt.process.poll() is None and "held" not in (run.run_dir.path / sweep.LOG_NAME).read_text():
+        while attempt.process.poll() is None and "held" not in (run.run_dir.path / LOG_NAME).read_text():
             assert time.time() < deadline
             time.sleep(0.05)
         attempt.lock.release()  # the sweep's descriptor closed, as a SIGKILLed sweep's is
-        assert sweep.run_state(run) == "running"
+        assert run_state(run) == "running"
         assert run.run_dir.lock_holder().startswith(f"pid {attempt.process.pid} on ")  # the run, not the sweep
         with pytest.raises(RunDirBusy):
-            sweep.start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
+            start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
     finally:
         kill(attempt.process)
-    assert sweep.run_state(run) == "interrupted"  # its record says "running", nobody holds the lock
+    assert run_state(run) == "interrupted"  # its record says "running", nobody holds the lock
 
 
 @pytest.mark.slow
 def test_dry_run_decides_as_the_real_sweep_does(tmp_path, capsys):
     spec, out = _spec(tmp_path), tmp_path / "out"
-    runs = {run.arm: run for run in sweep.expand(sweep.load_spec(spec), "cpu", None, [], out)}
+    runs = {run.arm: run for run in expand(load_spec(spec), "cpu", None, [], out)}
     _finish(runs["finished"], "finished", "0" * 64)  # finished with another config than the spec's now
-    _finish(runs["completed_alone"], "running", sweep.config_hash(runs["completed_alone"].cfg))
+    _finish(runs["completed_alone"], "running", config_hash(runs["completed_alone"].cfg))
     held = runs["held"].run_dir.acquire_lock()  # any job in the run dir, not only a sweep
     try:
-        assert sweep.main(["--spec", str(spec), "--out", str(out), "--dry-run"]) == 0
+        assert sweep_main(["--spec", str(spec), "--out", str(out), "--dry-run"]) == 0
         captured = capsys.readouterr()
         assert captured.out.splitlines() == ["spec/finished/seed1: finished -> skip",
                                              "spec/completed_alone/seed1: finished -> skip",
@@ -226,7 +230,7 @@ def test_dry_run_decides_as_the_real_sweep_does(tmp_path, capsys):
         missing = ["--set", "data.mock=false", "--set", f"data.manifest={tmp_path / 'missing.json'}"]
         outcomes = []
         for mode in (["--dry-run"], []):
-            code = sweep.main(["--spec", str(spec), "--out", str(out), *missing, *mode])
+            code = sweep_main(["--spec", str(spec), "--out", str(out), *missing, *mode])
             outcomes.append((code, capsys.readouterr()))
         (dry_code, dry), (real_code, real) = outcomes
         assert dry_code == real_code == 2

@@ -1,4 +1,4 @@
-"""pretrain/research/sweep.py: expansion and validation of specs (the shipped ones included), the dry run and
+"""pretrain/research/sweep/: expansion and validation of specs (the shipped ones included), the dry run and
 the emitted commands and SLURM script, and real tiny sweeps: records, finished and failed runs
 skipped, an interrupted sweep resumed from its checkpoint, a SLURM task through the launch script."""
 
@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pretrain_runs import ENTRY, REPO, env, write_config
+from pretrain_runs import REPO, env, write_config
 
-from pretrain.research import sweep
+from pretrain.config import config_hash
+from pretrain.pretrain_ora import ENTRY_MODULE
+from pretrain.research.sweep import slurm
+from pretrain.research.sweep.__main__ import main
+from pretrain.research.sweep.spec import DESIGN_SEEDS, LOG_NAME, expand, load_spec
 from pretrain.run_dir import RunDir
 
 EXPERIMENTS = REPO / "pretrain" / "experiments"
@@ -67,8 +71,8 @@ def test_expansion_is_seeds_times_arms_with_every_override_applied(tmp_path):
     arms = {"a": arm("vanilla"),
             "b": {**arm("ora"), "scales": {"cpu": {"model.hidden_size": 32}}},
             "c": arm("ora", **{"train.steps": 5})}
-    spec = sweep.load_spec(write_spec(tmp_path, arms, seeds=(7, 8)))
-    runs = sweep.expand(spec, "cpu", None, ["train.eval_iters=3"], tmp_path / "out")
+    spec = load_spec(write_spec(tmp_path, arms, seeds=(7, 8)))
+    runs = expand(spec, "cpu", None, ["train.eval_iters=3"], tmp_path / "out")
 
     assert [(r.arm, r.seed) for r in runs] == [("a", 7), ("b", 7), ("c", 7), ("a", 8), ("b", 8), ("c", 8)]
     assert [r.run_dir.path for r in runs[:2]] == [tmp_path / "out" / "a" / "seed7", tmp_path / "out" / "b" / "seed7"]
@@ -80,7 +84,7 @@ def test_expansion_is_seeds_times_arms_with_every_override_applied(tmp_path):
     assert [r.cfg.model.attention.type for r in runs[:3]] == ["vanilla", "ora", "ora"]
     assert [r.cfg.model.hidden_size for r in runs[:3]] == [64, 32, 64]  # b's own override at this scale
     assert [r.cfg.train.steps for r in runs[:3]] == [4, 4, 5]  # the arm's set over the scale's
-    assert [r.seed for r in sweep.expand(spec, "cpu", [5], [], tmp_path / "out")] == [5, 5, 5]
+    assert [r.seed for r in expand(spec, "cpu", [5], [], tmp_path / "out")] == [5, 5, 5]
 
 
 @pytest.mark.parametrize("bad_arm, processes, extra, expected", [
@@ -93,7 +97,7 @@ def test_invalid_run_exits_2_naming_spec_arm_and_key_and_starts_nothing(tmp_path
                                                                        extra, expected):
     spec = write_spec(tmp_path, {"good": arm("ora"), "bad": bad_arm}, processes=processes)
     out = tmp_path / "out"
-    assert sweep.main(sweep_args(spec, out, *extra)) == 2
+    assert main(sweep_args(spec, out, *extra)) == 2
     err = capsys.readouterr().err
     assert all(text in err for text in expected), err
     assert "spec.yaml" in err or "--set" in err
@@ -109,7 +113,7 @@ def test_invalid_run_exits_2_naming_spec_arm_and_key_and_starts_nothing(tmp_path
 def test_invalid_spec_exits_2_naming_the_key(tmp_path, capsys, change, key):
     path = write_spec(tmp_path, {"a": arm("ora")})
     path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **change}))
-    assert sweep.main(sweep_args(path, tmp_path / "out")) == 2
+    assert main(sweep_args(path, tmp_path / "out")) == 2
     assert f"spec.yaml: config error at '{key}'" in capsys.readouterr().err
 
 
@@ -120,15 +124,15 @@ def test_every_shipped_spec_is_tested():
 @pytest.mark.parametrize("scale", ["cpu", "paper"])
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
-    spec = sweep.load_spec(EXPERIMENTS / f"{name}.yaml")
-    runs = sweep.expand(spec, scale, None, [], tmp_path)
+    spec = load_spec(EXPERIMENTS / f"{name}.yaml")
+    runs = expand(spec, scale, None, [], tmp_path)
     arms, reference = SHIPPED[name]
 
     assert spec.body.reference == reference
-    assert spec.body.seeds == sweep.DESIGN_SEEDS
-    assert [(r.arm, r.seed) for r in runs] == [(a, s) for s in sweep.DESIGN_SEEDS for a in arms]
+    assert spec.body.seeds == DESIGN_SEEDS
+    assert [(r.arm, r.seed) for r in runs] == [(a, s) for s in DESIGN_SEEDS for a in arms]
     first_seed = runs[:len(arms)]
-    assert len({sweep.config_hash(r.cfg) for r in first_seed}) == len(arms), "two arms resolve to the same config"
+    assert len({config_hash(r.cfg) for r in first_seed}) == len(arms), "two arms resolve to the same config"
     assert all(r.run_dir.read_experiment() is None for r in runs)  # expanding writes nothing
     if scale == "paper":  # the research plan's protocol: Small preset, global batch 128, 100k steps, 8 GPUs
         assert {r.scale.processes_per_node for r in runs} == {8}
@@ -142,16 +146,16 @@ def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
 def test_dry_run_and_emitted_commands(tmp_path, capsys):
     spec = write_spec(tmp_path, {"a": arm("vanilla"), "b": arm("ora")}, seeds=(7, 8))
     out = tmp_path / "out"
-    assert sweep.main(sweep_args(spec, out, "--dry-run")) == 0
+    assert main(sweep_args(spec, out, "--dry-run")) == 0
     assert capsys.readouterr().out.splitlines() == [f"spec/{a}/seed{s}: pending -> start"
                                                     for s in (7, 8) for a in ("a", "b")]
     assert not out.exists()
 
-    assert sweep.main(sweep_args(spec, out, "--emit", "commands", "--set", "logging.wandb_project=it's x")) == 0
+    assert main(sweep_args(spec, out, "--emit", "commands", "--set", "logging.wandb_project=it's x")) == 0
     commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
     assert len(commands) == 4
     first = commands[0]
-    assert first[:2] == [sys.executable, str(ENTRY)]
+    assert first[:3] == [sys.executable, "-m", ENTRY_MODULE]
     assert first[first.index("--run-dir") + 1] == str(out / "a" / "seed7")
     sets = [first[i + 1] for i, arg in enumerate(first) if arg == "--set"]
     assert sets[-4:] == ["model.attention.type=vanilla", "logging.wandb_project=it's x", "model.seed=7", "data.seed=7"]
@@ -162,7 +166,7 @@ def test_emitted_slurm_script_passes_shellcheck_and_keeps_every_argument(tmp_pat
     spec = write_spec(tmp_path, {"a": arm("vanilla"), "b": arm("ora")}, seeds=(7, 8))
     out = tmp_path / "out dir"
     tricky = 'logging.wandb_project=it\'s "q" $(touch PWNED)'
-    assert sweep.main(sweep_args(spec, out, "--emit", "slurm", "--seeds", "7,8", "--set", tricky)) == 0
+    assert main(sweep_args(spec, out, "--emit", "slurm", "--seeds", "7,8", "--set", tricky)) == 0
     script = out / "sweep.sbatch"
     assert str(script) in capsys.readouterr().out
     text = script.read_text()
@@ -187,14 +191,14 @@ def one_thread(monkeypatch):
 
 
 def log_sizes(out: Path) -> dict:
-    return {str(p): p.stat().st_size for p in out.rglob(sweep.LOG_NAME)}
+    return {str(p): p.stat().st_size for p in out.rglob(LOG_NAME)}
 
 
 @pytest.mark.distributed
 def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, one_thread):
     spec, out = write_spec(tmp_path, {"ora": arm("ora"), "broken": arm("ora", **BROKEN)}), tmp_path / "out"
 
-    assert sweep.main(sweep_args(spec, out, "--jobs", "2")) == 1  # one run failed
+    assert main(sweep_args(spec, out, "--jobs", "2")) == 1  # one run failed
     table = capsys.readouterr().out
     assert "failed (3)" in table and "finished" in table
 
@@ -208,7 +212,7 @@ def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, one
     assert record.results["final_train_loss"] == summary.final_train_loss
     assert record.results["training_time_hours"] == pytest.approx(summary.wall_time_s / 3600)
     assert record.model_config == resolved.pop("model") and record.training_config == resolved
-    assert record.config_hash == sweep.config_hash(run_dir.read_config())  # the config the run used
+    assert record.config_hash == config_hash(run_dir.read_config())  # the config the run used
     assert record.start_time and record.log_tail == ""
     failed = RunDir(out / "broken" / "seed1").read_experiment()
     assert (failed.status, failed.exit_code) == ("failed", 3)
@@ -217,12 +221,12 @@ def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, one
     # As if the sweep had been killed (SIGKILL) while ora's run went on alone and completed.
     run_dir.write_experiment(dataclasses.replace(record, status="running", results={}, exit_code=None))
     before = log_sizes(out)
-    assert sweep.main(sweep_args(spec, out)) == 1
+    assert main(sweep_args(spec, out)) == 1
     output = capsys.readouterr().out
     assert "spec/ora/seed1: completed after its sweep was gone" in output and "nothing to start" in output
     assert log_sizes(out) == before
     assert run_dir.read_experiment() == dataclasses.replace(record, exit_code=None)  # finished, exit code unknown
-    assert sweep.main(sweep_args(spec, out, "--dry-run", "--retry-failed")) == 0
+    assert main(sweep_args(spec, out, "--dry-run", "--retry-failed")) == 0
     assert "spec/broken/seed1: failed -> retry" in capsys.readouterr().out.splitlines()
 
 
@@ -246,7 +250,7 @@ def test_interrupted_sweep_resumes_its_run_from_the_checkpoint(tmp_path, one_thr
     assert stopped.preempted and stopped.steps < steps
     assert run_dir.read_experiment().status == "running"
 
-    assert sweep.main(sweep_args(spec, out)) == 0
+    assert main(sweep_args(spec, out)) == 0
     assert [entry["step"] for entry in run_dir.read_resume_log()] == [stopped.steps]  # resumed, not restarted
     summary = run_dir.read_summary()
     assert (summary.steps, summary.preempted) == (steps, False)
@@ -259,15 +263,15 @@ def test_slurm_task_runs_its_run_through_the_launch_script(tmp_path, monkeypatch
     # Stands in for launch/pretrain_ora.sh: the same interface (CONFIG --set ..., RUN_DIR in the environment).
     launcher = tmp_path / "pretrain_ora.sh"
     launcher.write_text(f'#!/usr/bin/env bash\necho "nodes=$NNODES gpus=$GPUS_PER_NODE"\n'
-                        f'exec {shlex.quote(sys.executable)} {shlex.quote(str(ENTRY))} --config "$1" '
+                        f'exec {shlex.quote(sys.executable)} -m {ENTRY_MODULE} --config "$1" '
                         f'--run-dir "$RUN_DIR" "${{@:2}}"\n')
     launcher.chmod(0o755)
-    monkeypatch.setattr(sweep, "LAUNCH_SCRIPT", launcher)
+    monkeypatch.setattr(slurm, "LAUNCH_SCRIPT", launcher)
 
-    assert sweep.main(sweep_args(spec, out, "--task", "1")) == 0
+    assert main(sweep_args(spec, out, "--task", "1")) == 0
     run_dir = RunDir(out / "b" / "seed1")
     assert run_dir.read_experiment().status == "finished"
-    assert "nodes=1 gpus=1" in (run_dir.path / sweep.LOG_NAME).read_text()
+    assert "nodes=1 gpus=1" in (run_dir.path / LOG_NAME).read_text()
     assert not (out / "a").exists()
-    assert sweep.main(sweep_args(spec, out, "--task", "1")) == 0
+    assert main(sweep_args(spec, out, "--task", "1")) == 0
     assert "spec/b/seed1: finished, nothing to do" in capsys.readouterr().out

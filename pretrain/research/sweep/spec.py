@@ -1,0 +1,157 @@
+"""The spec language of a sweep and its expansion: one run per (seed, arm), each with its validated
+config, its run dir and the `--set` arguments of its command (the package docstring describes a spec)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml
+from pretrain.config import RunConfig, load_run_config, preset_path, validate_for_world
+from pretrain.pretrain_ora import ENTRY_MODULE
+from pretrain.run_dir import RunDir
+
+DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # DESIGN.md: seeds for every comparison
+SEED_KEYS = ("model.seed", "data.seed")
+ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+LOG_NAME = "sweep.log"
+
+
+class SweepError(Exception):
+    """A spec, an expanded config or the command line is invalid; nothing was started."""
+
+
+# ---------------------------------------------------------------------- the spec
+
+
+@dataclass
+class ScaleSpec:
+    processes_per_node: int = 1
+    """Processes of one run, all on one node (its GPUs on a cluster); multi-node runs are not swept yet."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Config overrides (dotted key: value) of every run at this scale."""
+
+    def validate(self, key: str) -> None:
+        check(self.processes_per_node >= 1, f"{key}.processes_per_node", "must be >= 1")
+
+
+@dataclass
+class ArmSpec:
+    description: str = ""
+    """What the arm is (the record's notes)."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Config overrides of this arm at every scale."""
+    scales: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Config overrides of this arm at one scale (e.g. its width at cpu and at paper scale)."""
+
+
+@dataclass
+class SweepSpec:
+    config: str = ""
+    """Run config: a preset name (pretrain/configs/NAME.yaml) or a path relative to the spec file."""
+    description: str = ""
+    reference: str = ""
+    """The arm the others are compared with."""
+    seeds: list[int] = field(default_factory=lambda: list(DESIGN_SEEDS))
+    scales: dict[str, ScaleSpec] = field(default_factory=dict)
+    arms: dict[str, ArmSpec] = field(default_factory=dict)
+
+    def validate(self, key: str) -> None:
+        check(bool(self.config), "config", "name the run config (a preset name or a path)")
+        check(bool(self.arms), "arms", "a spec needs at least one arm")
+        check(self.reference in self.arms, "reference", f"{self.reference!r} is not one of the arms {list(self.arms)}")
+        check(bool(self.seeds) and len(set(self.seeds)) == len(self.seeds), "seeds", "must be distinct, at least one")
+        for name, arm in self.arms.items():
+            check(bool(ARM_NAME.fullmatch(name)), f"arms.{name}", "arm names become directory names: "
+                  "letters, digits, '_', '.', '-'")
+            unknown = sorted(set(arm.scales) - set(self.scales))
+            check(not unknown, f"arms.{name}.scales", f"unknown scales {unknown} (the spec has {list(self.scales)})")
+
+
+@dataclass
+class Spec:
+    name: str  # the spec file's stem: the first part of every experiment_id
+    path: Path
+    config_path: Path
+    body: SweepSpec
+
+
+def load_spec(path: Path) -> Spec:
+    try:
+        body = from_dict(SweepSpec, load_yaml(path))
+    except (ConfigError, OSError, yaml.YAMLError) as e:
+        raise SweepError(f"{path}: {e}") from None
+    config_path = preset_path(body.config) or (path.parent / body.config).resolve()
+    if not config_path.is_file():
+        raise SweepError(f"{path}: config {body.config!r}: no file {config_path}")
+    return Spec(name=path.stem, path=path, config_path=config_path, body=body)
+
+
+# ---------------------------------------------------------------------- expansion
+
+
+def yaml_value(value: Any) -> str:
+    """A value as the YAML text `--set key=value` parses back to it."""
+    return yaml.safe_dump(value, default_flow_style=True, width=2**31).strip().removesuffix("...").strip()
+
+
+def set_arguments(overrides: dict[str, Any]) -> list[str]:
+    return [f"{key}={yaml_value(value)}" for key, value in overrides.items()]
+
+
+@dataclass
+class Run:
+    spec: Spec
+    arm: str
+    seed: int
+    scale: ScaleSpec
+    run_dir: RunDir
+    overrides: list[str]  # the `--set` arguments, in order
+    cfg: RunConfig
+
+    @property
+    def experiment_id(self) -> str:
+        return f"{self.spec.name}/{self.arm}/seed{self.seed}"
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir.path / LOG_NAME
+
+    def set_flags(self) -> list[str]:
+        return [arg for item in self.overrides for arg in ("--set", item)]
+
+    def local_command(self) -> list[str]:
+        """The entry point as a user runs it (torchrun spawned by it for more than one process)."""
+        return [sys.executable, "-m", ENTRY_MODULE, "--config", str(self.spec.config_path), "--run-dir",
+                str(self.run_dir.path), "--nproc-per-node", str(self.scale.processes_per_node), *self.set_flags()]
+
+
+
+def expand(spec: Spec, scale_name: str, seeds: Optional[list[int]], extra: list[str], out: Path) -> list[Run]:
+    """Every (seed, arm) run with its validated config, seed-major; raises SweepError on the first bad one."""
+    body = spec.body
+    if scale_name not in body.scales:
+        raise SweepError(f"{spec.path}: no scale {scale_name!r} (the spec has {list(body.scales)})")
+    seeded = [item for item in extra if item.partition("=")[0] in SEED_KEYS]
+    if seeded:
+        raise SweepError(f"--set {seeded[0]}: {' and '.join(SEED_KEYS)} are set per run from the seeds (--seeds)")
+    scale = body.scales[scale_name]
+    runs = []
+    for seed in seeds or body.seeds:
+        for arm_name, arm in body.arms.items():
+            overrides = (set_arguments(scale.set) + set_arguments(arm.set)
+                         + set_arguments(arm.scales.get(scale_name, {})) + list(extra)
+                         + [f"{key}={seed}" for key in SEED_KEYS])
+            try:
+                cfg = load_run_config(str(spec.config_path), overrides)
+                validate_for_world(cfg, scale.processes_per_node)
+            except ConfigError as e:
+                raise SweepError(f"{spec.path}: arm '{arm_name}' (scale {scale_name}, seed {seed}, "
+                                 f"{scale.processes_per_node} processes): {e}") from None
+            runs.append(Run(spec, arm_name, seed, scale, RunDir(out / arm_name / f"seed{seed}"), overrides, cfg))
+    return runs

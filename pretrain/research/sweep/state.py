@@ -1,0 +1,186 @@
+"""A run's state, read back from its run dir; what an invocation plans to do with each run (the dry
+run's plan too); the experiment records a sweep writes; the tables it prints."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from ora_megatron.config_io import ConfigError, to_dict
+from pretrain.config import REPO, config_hash
+from pretrain.research.sweep.spec import Run, SweepError
+from pretrain.run_dir import ExperimentRecord, RunDir
+
+LOG_TAIL_LINES = 40
+
+
+# ---------------------------------------------------------------------- run state
+
+
+def run_state(run: Run) -> str:
+    """running, finished, failed, interrupted or pending (see the package docstring)."""
+    if run.run_dir.lock_holder() is not None:
+        return "running"
+    record = run.run_dir.read_experiment()
+    if record is not None and record.status == "finished" and run.run_dir.summary.exists():
+        return "finished"
+    if record is not None and record.status == "running" and completed_summary(run.run_dir):
+        return "finished"  # completed alone after its sweep was gone: record_orphans_that_completed
+    if record is not None and record.status == "failed":
+        return "failed"
+    if (record is not None and record.status == "running") or run.run_dir.latest_checkpoint() is not None:
+        return "interrupted"
+    return "pending"
+
+
+def to_start(runs: list[Run], retry_failed: bool) -> list[Run]:
+    startable = {"pending", "interrupted"} | ({"failed"} if retry_failed else set())
+    return [run for run in runs if run_state(run) in startable]
+
+
+def plan(runs: list[Run], retry_failed: bool) -> list[Run]:
+    """What an invocation decides before it starts anything, for the real run and the dry run
+    alike: warn about finished runs whose config changed, choose the runs to start, and check
+    their data (SweepError). Returns the runs to start."""
+    warn_changed_configs(runs)
+    starting = to_start(runs, retry_failed)
+    if starting:
+        check_run_data(starting)
+    return starting
+
+
+def check_run_data(runs: list[Run]) -> None:
+    """The datasets every run reads exist and give each split documents (once per distinct data config)."""
+    with warnings.catch_warnings():  # megatron-core warns at import about optional kernels it lacks
+        warnings.simplefilter("ignore")
+        from pretrain.runtime.data import check_data
+
+    checked = set()
+    for run in runs:
+        key = json.dumps([to_dict(run.cfg.data), run.cfg.model.seq_length], sort_keys=True)
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            check_data(run.cfg)
+        except (ConfigError, OSError) as e:
+            raise SweepError(f"{run.spec.path}: arm '{run.arm}' (seed {run.seed}): {e}") from None
+
+
+def completed_summary(run_dir: RunDir) -> bool:
+    """summary.json of a run that trained to its end or stopped early (not one stopped by a signal)."""
+    return run_dir.summary.exists() and not run_dir.read_summary().preempted
+
+
+def record_orphans_that_completed(runs: list[Run]) -> None:
+    """A run outlives a sweep killed with SIGKILL and may complete alone: its record still says
+    "running", nobody holds its lock and its summary is complete (run_state: finished). Record it
+    as finished (exit code unknown)."""
+    for run in runs:
+        record = run.run_dir.read_experiment()
+        if record is not None and record.status == "running" and run_state(run) == "finished":
+            record.status, record.results = "finished", results_of(run.run_dir)
+            run.run_dir.write_experiment(record)
+            print(f"{run.experiment_id}: completed after its sweep was gone; recorded as finished")
+
+
+def warn_changed_configs(runs: list[Run]) -> None:
+    """A finished run is never rerun; say so when the spec or --set now resolve to another config."""
+    for run in runs:
+        record = run.run_dir.read_experiment()
+        if run_state(run) == "finished" and record.config_hash != config_hash(run.cfg):
+            print(f"warning: {run.experiment_id} finished with another config (hash {record.config_hash[:12]}, "
+                  f"now {config_hash(run.cfg)[:12]}); kept, not rerun: use another --out", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- records
+
+
+def git_revision() -> str:
+    """HEAD of this checkout, "-dirty" when the work tree has changes; empty outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    try:
+        revision = git("rev-parse", "HEAD")
+        return revision + ("-dirty" if revision and git("status", "--porcelain") else "")
+    except OSError:
+        return ""
+
+
+def started_record(run: Run, revision: str) -> ExperimentRecord:
+    """Status "running"; a restarted run keeps the start time of its first attempt."""
+    previous = run.run_dir.read_experiment()
+    start_time = (previous.start_time if previous is not None
+                  else datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    resolved = to_dict(run.cfg)
+    return ExperimentRecord(
+        experiment_id=run.experiment_id, method=run.arm, seed=run.seed, start_time=start_time,
+        model_config=resolved.pop("model"), training_config=resolved, results={},
+        notes=run.spec.body.arms[run.arm].description, status="running", exit_code=None, log_tail="",
+        config_hash=config_hash(run.cfg), git_revision=revision)
+
+
+def results_of(run_dir: RunDir) -> dict:
+    """The research plan's results from the run's summary (wall time: the last attempt's training loop)."""
+    summary = run_dir.read_summary()
+    val_loss = summary.final_valid_loss
+    return {"final_train_loss": summary.final_train_loss, "final_val_loss": val_loss,
+            "final_val_ppl": math.exp(val_loss) if val_loss is not None else None,
+            "training_time_hours": summary.wall_time_s / 3600}
+
+
+def log_tail(log: Path, offset: int) -> str:
+    with open(log, errors="replace") as f:
+        f.seek(offset)
+        return "\n".join(f.read().splitlines()[-LOG_TAIL_LINES:])
+
+
+# ---------------------------------------------------------------------- output
+
+
+def loss_text(value: Optional[float]) -> str:
+    """A loss as the sweep prints it: four decimals, "-" when there is none."""
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _duration(hours: Optional[float]) -> str:
+    if hours is None:
+        return "-"
+    seconds = hours * 3600
+    return f"{seconds:.0f} s" if seconds < 3600 else f"{hours:.2f} h"
+
+
+def status_table(runs: list[Run]) -> str:
+    rows = [("arm", "seed", "status", "val loss", "time")]
+    for run in runs:
+        record, state = run.run_dir.read_experiment(), run_state(run)
+        results = record.results if record is not None else {}
+        if state == "failed":
+            state = f"failed ({record.exit_code})"
+        reference = " (ref)" if run.arm == run.spec.body.reference else ""
+        rows.append((run.arm + reference, str(run.seed), state, loss_text(results.get("final_val_loss")),
+                     _duration(results.get("training_time_hours"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def plan_text(runs: list[Run], starting: list[Run]) -> str:
+    """Each run's state and what plan() decided for it."""
+    started = {"pending": "start", "interrupted": "restart (resumes its checkpoint)", "failed": "retry"}
+    skipped = {"finished": "skip", "running": "skip (running elsewhere)",
+               "failed": "skip (failed; --retry-failed reruns it)"}
+    starting_ids = {run.experiment_id for run in starting}
+    lines = []
+    for run in runs:
+        state = run_state(run)
+        action = started[state] if run.experiment_id in starting_ids else skipped[state]
+        lines.append(f"{run.experiment_id}: {state} -> {action}")
+    return "\n".join(lines)
+
