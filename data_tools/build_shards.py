@@ -34,9 +34,10 @@ from collections import Counter
 import numpy
 import sentencepiece
 
+from data_tools.atomic_json import write_json_atomic
 from data_tools.build_options import CONTENT_OPTIONS, BuildOptionError, BuildOptions
 from data_tools.chunk_worker import WorkerSettings, count_chunk, init_worker, tokenize_chunk
-from data_tools.manifest import MANIFEST_NAME, assemble_manifest, blend_weights, write_json_atomic
+from data_tools.manifest import MANIFEST_NAME, assemble_manifest, blend_weights
 from data_tools.progress import Progress
 from data_tools.readers import (
     DataError,

@@ -21,20 +21,13 @@ from typing import TYPE_CHECKING
 
 from data_tools.readers import DataError, InputFile, input_summary
 
-if TYPE_CHECKING:  # shard_writer imports this module
+# For annotations only: importing shard_writer would load megatron-core's dataset code into every
+# module that reads SPLITS or a manifest from here (build_options, split_plan).
+if TYPE_CHECKING:
     from data_tools.shard_writer import ShardInfo
 
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "valid", "test")  # the order of megatron.core.datasets.utils.Split
-
-
-def write_json_atomic(path: str, data) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(temporary, path)
 
 
 def _check_weights(weights: dict[str, float], shards: list["ShardInfo"]) -> None:

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import numpy
 
-from data_tools.manifest import write_json_atomic
+from data_tools.atomic_json import write_json_atomic
 from data_tools.readers import DataError
 
 # megatron-core warns on import when Transformer Engine / Apex are absent; irrelevant to datasets

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 
 import sentencepiece
 
-from data_tools.manifest import write_json_atomic
+from data_tools.atomic_json import write_json_atomic
 from data_tools.readers import (
     Document,
     InputError,

@@ -8,7 +8,7 @@
   as megatron's ColumnParallelLinear); the backward computes the input gradient through Q, K and V
   but weight gradients only for trainable parts, so frozen Q/K cost no weight-gradient GEMM.
   Frozen Hadamard Q/K (ora, orthogonal_method=hadamard) skip their GEMMs altogether: they are
-  applied as two small Kronecker contractions (orthogonal.HadamardRows), forward and input
+  applied as two small Kronecker contractions (hadamard.HadamardRows), forward and input
   gradient, and written straight into megatron's interleaved layout beside V's GEMM.
 - `RandomQKSelfAttention`: megatron's SelfAttention, telling its linear_qkv which layer it is in.
 - `SynthesizerAttention`: softmax(R)·V with R per head (N×N, or R1·R2ᵀ of rank k), causal; covers
@@ -35,9 +35,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ora_megatron.hadamard import HadamardRows
 from ora_megatron.model_config import FROZEN_QK_INIT, AttentionConfig
 from ora_megatron.orthogonal import (
-    HadamardRows,
     frozen_projection,
     hadamard_transform_for,
     orthogonal_matrix,

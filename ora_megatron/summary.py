@@ -18,8 +18,8 @@ import sys
 from ora_megatron.builder import padded_vocab_size
 from ora_megatron.config_io import ConfigError
 from ora_megatron.families import family_of
+from ora_megatron.hadamard import kronecker_split
 from ora_megatron.model_config import ModelConfig, ModelSection, load_model_section
-from ora_megatron.orthogonal import kronecker_split
 from ora_megatron.stages import build_staged_gpt
 
 COMPONENTS = ("embeddings", "attention_qk", "attention_v", "attention_out", "attention_mixing",
@@ -85,7 +85,7 @@ def train_flops_per_token(model: ModelConfig, vocab: int) -> float:
         frozen_k = att.custom_qkv and not att.train_k
         for params, frozen in ((width * d, frozen_q), (kv_width * d, frozen_k)):
             if frozen and att.type == "ora" and att.orthogonal_method == "hadamard":
-                # two Kronecker contractions (orthogonal.HadamardRows), forward + input gradient
+                # two Kronecker contractions (hadamard.HadamardRows), forward + input gradient
                 per_layer += 2 * 2 * d * sum(kronecker_split(d))
             else:
                 per_layer += matmul(params, trainable=not frozen)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ora_megatron.config_io import ConfigError
-from ora_megatron.orthogonal import kronecker_split
+from ora_megatron.hadamard import kronecker_split
 from pretrain.research.benchmarks.compare_arms import RATIO_KEYS, SCHEMA, arm_overrides, main, ratios
 
 TINY = """\

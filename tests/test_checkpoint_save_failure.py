@@ -33,7 +33,7 @@ def _save_failing_with(run_dir: RunDir, error: Exception, monkeypatch) -> str:
 
     monkeypatch.setattr(checkpoint.reshard, "optimizer_record", lambda eng: {})
     eng = SimpleNamespace(scheduler=SimpleNamespace(state_dict=dict),
-                          engine=SimpleNamespace(save_checkpoint=save_checkpoint))
+                          ds_engine=SimpleNamespace(save_checkpoint=save_checkpoint))
     with pytest.raises(CheckpointSaveFailed) as failed:
         Checkpointer(run_dir, CheckpointConfig()).save(eng, TrainState(step=6))
     return str(failed.value)
@@ -92,7 +92,7 @@ def test_errors_that_are_not_write_failures_pass_through(run_dir, monkeypatch):
         raise bug
 
     eng = SimpleNamespace(scheduler=SimpleNamespace(state_dict=dict),
-                          engine=SimpleNamespace(save_checkpoint=save_checkpoint))
+                          ds_engine=SimpleNamespace(save_checkpoint=save_checkpoint))
     with pytest.raises(RuntimeError) as raised:
         Checkpointer(run_dir, CheckpointConfig()).save(eng, TrainState(step=6))
     assert raised.value is bug

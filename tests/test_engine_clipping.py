@@ -10,7 +10,8 @@ from ora_megatron.model_config import ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import OptimizerConfig, RunConfig, TrainConfig
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm
-from pretrain.runtime.engine import build_engine, lm_loss
+from pretrain.runtime.engine import build_engine
+from pretrain.runtime.loss import lm_loss
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,17 +29,17 @@ def test_one_process_clipping_equals_deepspeeds(max_norm):
                     optimizer=OptimizerConfig(clip_grad=max_norm))
     eng = build_engine(cfg, grad_accum=1)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    eng.backward(lm_loss(eng.engine(tokens), (tokens, torch.ones_like(tokens))), last_micro_batch=True)
+    eng.backward(lm_loss(eng.ds_engine(tokens), (tokens, torch.ones_like(tokens))), last_micro_batch=True)
     params = [p for p in eng.module.parameters() if p.grad is not None]
     grads = [p.grad.clone() for p in params]
 
     recorded = []
-    keep_fp32_clip_norm(eng.engine, lambda norm, covers_local: recorded.append((norm, covers_local)))
-    eng.engine.clip_fp32_gradients()  # what the engine calls before the optimizer step
+    keep_fp32_clip_norm(eng.ds_engine, lambda norm, covers_local: recorded.append((norm, covers_local)))
+    eng.ds_engine.clip_fp32_gradients()  # what the engine calls before the optimizer step
     ours = [p.grad.clone() for p in params]
     for p, g in zip(params, grads):
         p.grad.copy_(g)
-    deepspeed_norm = clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=eng.engine.mpu)
+    deepspeed_norm = clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=eng.ds_engine.mpu)
 
     (norm, covers_local), = recorded
     assert covers_local

@@ -11,8 +11,9 @@ from ora_megatron.model_config import AttentionConfig, ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
 from pretrain.runtime.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
-from pretrain.runtime.engine import build_engine, lm_loss
+from pretrain.runtime.engine import build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
+from pretrain.runtime.loss import lm_loss
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,21 +62,21 @@ def test_unfreeze_keeps_adam_state(zero_stage, precision):
     cfg = _config(zero_stage, precision)
     eng = build_engine(cfg, grad_accum=1)
     for _ in range(3):
-        _step(eng.engine)
+        _step(eng.ds_engine)
     linear = next(m for m in eng.module.modules() if isinstance(m, RandomQKVLinear))
-    v_moment, v_master = _moments_and_master(eng.engine, linear.v_weight)
+    v_moment, v_master = _moments_and_master(eng.ds_engine, linear.v_weight)
     q_before = linear.q_weight.detach().clone()
-    steps_before = _steps_by_group(eng.engine)
+    steps_before = _steps_by_group(eng.ds_engine)
     assert not linear.q_weight.requires_grad
 
     eng = apply_freeze_stage(cfg, eng, 1, grad_accum=1)
 
     assert linear.q_weight.requires_grad and linear.k_weight.requires_grad
-    moment_after, master_after = _moments_and_master(eng.engine, linear.v_weight)
+    moment_after, master_after = _moments_and_master(eng.ds_engine, linear.v_weight)
     assert torch.equal(moment_after, v_moment) and torch.equal(master_after, v_master)
-    assert {k: v for k, v in _steps_by_group(eng.engine).items() if k in steps_before} == steps_before
-    _step(eng.engine)
-    steps_after = _steps_by_group(eng.engine)
+    assert {k: v for k, v in _steps_by_group(eng.ds_engine).items() if k in steps_before} == steps_before
+    _step(eng.ds_engine)
+    steps_after = _steps_by_group(eng.ds_engine)
     assert steps_after["decay/base"] == steps_before["decay/base"] + 1
     assert steps_after["decay/stage1"] == 1, "newly trainable weights start their own Adam count"
     assert not torch.equal(linear.q_weight.detach(), q_before), "unfrozen Q trains"

@@ -1,4 +1,5 @@
-"""pretrain/research/memory_plan.py against what DeepSpeed allocates, what the model keeps for backward, and its CLI."""
+"""pretrain/research/memory_model.py against what DeepSpeed allocates and what the model keeps for backward;
+the memory_plan CLI."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from distributed import run_on_ranks
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from ora_megatron.stages import build_staged_gpt
 from pretrain.config import REPO, load_run_config
-from pretrain.research import memory_plan as plan
+from pretrain.research import memory_model, memory_plan
 
 # Hidden size 385 (5 heads of 77): the Q/K/V/MLP matrices exceed ZeRO-3's 1e5-element persistence
 # threshold (so they are partitioned), the embedding stays under it, and odd sizes make DeepSpeed pad
@@ -114,7 +115,7 @@ class StateReader:
 
         def flatten_and_read(tensors):
             flat = flatten(tensors)
-            self.record(to_come=0 if flat.dtype == torch.float32 else plan.FP32 * flat.numel())
+            self.record(to_come=0 if flat.dtype == torch.float32 else memory_model.FP32 * flat.numel())
             return flat
 
         optimizer.flatten = flatten_and_read
@@ -133,11 +134,12 @@ def _measure_layout(path: str, zero: int, precision: str) -> dict:
     """Two steps (Adam state exists from the first); the second is read after forward, inside backward
     (when the last gradient arrives), after backward, and in the step (each flatten of a gradient
     partition, and before each optimizer step)."""
-    from pretrain.runtime.engine import batch_loss, build_engine
+    from pretrain.runtime.engine import build_engine
+    from pretrain.runtime.loss import batch_loss
 
     cfg = load_run_config(path, overrides(zero, precision))
     before = _live_tensors()
-    engine = build_engine(cfg, grad_accum=1).engine
+    engine = build_engine(cfg, grad_accum=1).ds_engine
     reader = StateReader(engine, before)
     seen: dict[str, int] = {}
     for step in range(2):
@@ -174,7 +176,7 @@ def measured(run_config) -> list[list[dict]]:
 def planned(run_config) -> list[dict]:
     init_distributed(1, 1)
     try:
-        return [plan.plan(load_run_config(run_config, overrides(*layout)), world_size=2) for layout in LAYOUTS]
+        return [memory_model.plan(load_run_config(run_config, overrides(*layout)), world_size=2) for layout in LAYOUTS]
     finally:
         destroy_distributed()
 
@@ -211,7 +213,7 @@ def test_pipeline_stages_hold_their_layers_and_a_tied_embedding_each(one_process
     cfg = load_run_config(run_config, ["parallel.pipeline=2"])
     model = build_staged_gpt(cfg.model, cfg.parallel)
     embedding = sum(p.numel() for p in model.embedding.parameters())
-    stages = plan.stage_shards(cfg, plan.pipeline_stages(cfg))
+    stages = memory_model.stage_shards(cfg, memory_model.pipeline_stages(cfg))
     frozen = [sum(s.numel for s in stage if not s.trainable) for stage in stages]
     assert frozen == [2 * 385 * 385] * 2  # one layer's Q and K on each stage
     assert sum(s.numel for stage in stages for s in stage) == sum(p.numel() for p in model.parameters()) + embedding
@@ -220,7 +222,7 @@ def test_pipeline_stages_hold_their_layers_and_a_tied_embedding_each(one_process
 # ---------------------------------------------------------------- activations
 def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes of distinct storages autograd keeps for backward after forward and loss (weights excluded)."""
-    from pretrain.runtime.engine import lm_loss
+    from pretrain.runtime.loss import lm_loss
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -242,12 +244,12 @@ def test_saved_activations_match_the_formula(one_process, run_config, attention,
     and norm statistics are CPU-shaped (device="cpu"). Peak transients are not saved tensors: left out."""
     cfg = load_run_config(run_config, [f"model.attention.type={attention}", "model.hidden_dropout=0.1",
                                        *overrides(1, precision)])
-    layout = plan.layout_of(cfg, world_size=1)
+    layout = memory_model.layout_of(cfg, world_size=1)
     model = build_staged_gpt(cfg.model, cfg.parallel).to(TORCH_DTYPES[precision]).train()
     tokens = torch.randint(0, 256, (layout.micro_batch_size, cfg.model.seq_length))
-    expected = (plan.activation_bytes(cfg.model, layout, cfg.model.num_layers, first=True, last=True, in_flight=1,
-                                      checkpointing=False, device="cpu")
-                - plan.logits_transient_bytes(cfg.model, tokens.numel(), layout))
+    expected = (memory_model.activation_bytes(cfg.model, layout, cfg.model.num_layers, first=True, last=True,
+                                              in_flight=1, checkpointing=False, device="cpu")
+                - memory_model.logits_transient_bytes(cfg.model, tokens.numel(), layout))
     assert _saved_bytes(model, tokens) == expected
 
 
@@ -258,11 +260,11 @@ def test_saved_activations_match_the_formula(one_process, run_config, attention,
 def test_activation_peak_on_gpu(one_process, checkpointing):
     """bf16, SDPA's GPU kernels: the peak of one forward+backward above the weights and (pre-allocated)
     gradients, against the plan's activations. Tolerance 15%: backward temporaries are not modelled."""
-    from pretrain.runtime.engine import lm_loss
+    from pretrain.runtime.loss import lm_loss
 
-    cfg = load_run_config(str(plan.config_path("small")), ["train.micro_batch_size=8",
-                                                           f"train.activation_checkpointing={checkpointing}"])
-    layout = plan.layout_of(cfg, world_size=16)
+    cfg = load_run_config(str(memory_plan.config_path("small")), ["train.micro_batch_size=8",
+                                                                  f"train.activation_checkpointing={checkpointing}"])
+    layout = memory_model.layout_of(cfg, world_size=16)
     model = build_staged_gpt(cfg.model, cfg.parallel).to("cuda", torch.bfloat16).train()
     model.activation_checkpointing = checkpointing
     for p in model.parameters():
@@ -275,8 +277,8 @@ def test_activation_peak_on_gpu(one_process, checkpointing):
     lm_loss(model(tokens), (tokens, torch.ones_like(tokens, dtype=torch.float))).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    expected = plan.activation_bytes(cfg.model, layout, cfg.model.num_layers, first=True, last=True, in_flight=1,
-                                     checkpointing=checkpointing)
+    expected = memory_model.activation_bytes(cfg.model, layout, cfg.model.num_layers, first=True, last=True,
+                                             in_flight=1, checkpointing=checkpointing)
     assert peak == pytest.approx(expected, rel=0.15)
 
 
@@ -287,7 +289,7 @@ def test_verdict_flips_when_the_gpu_shrinks(capsys):
     command = [sys.executable, "-m", "pretrain.research.memory_plan", "--config", "small", "--world-size", "8",
                "--json"]
     roomy = json.loads(subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout)
-    assert plan.main(["--config", "small", "--world-size", "8", "--gpu-memory-gb", "1", "--json"]) == 0
+    assert memory_plan.main(["--config", "small", "--world-size", "8", "--gpu-memory-gb", "1", "--json"]) == 0
     tight = json.loads(capsys.readouterr().out)
     assert (roomy["verdict"], tight["verdict"]) == ("fits", "does not fit")
     assert roomy["bytes"] == tight["bytes"]
@@ -299,5 +301,5 @@ def test_verdict_flips_when_the_gpu_shrinks(capsys):
     (["--world-size", "8", "--pp", "2", "--zero-stage", "3"], "deepspeed.zero_stage"),
 ])
 def test_invalid_layout_exits_2_naming_the_key(capsys, flags, key):
-    assert plan.main(["--config", "small", *flags]) == 2
+    assert memory_plan.main(["--config", "small", *flags]) == 2
     assert f"'{key}'" in capsys.readouterr().err

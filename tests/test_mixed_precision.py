@@ -8,7 +8,8 @@ import torch
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, RunConfig, TrainConfig
-from pretrain.runtime.engine import build_engine, lm_loss
+from pretrain.runtime.engine import build_engine
+from pretrain.runtime.loss import lm_loss
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,9 +31,9 @@ def _losses(zero_stage: int, steps: int = 8) -> list[float]:
     for step in range(steps):
         eng.scheduler.step(1)
         tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
-        loss = lm_loss(eng.engine(tokens), (tokens, torch.ones_like(tokens)))
+        loss = lm_loss(eng.ds_engine(tokens), (tokens, torch.ones_like(tokens)))
         eng.backward(loss, last_micro_batch=True)
-        eng.engine.step()
+        eng.ds_engine.step()
         losses.append(loss.item())
     return losses
 

@@ -1,17 +1,19 @@
 import pytest
 import torch
 
-from ora_megatron.orthogonal import (
+from ora_megatron.hadamard import (
     HADAMARD_BASE_ORDERS,
-    METHODS,
     HadamardRows,
     RandomizedHadamard,
-    frozen_projection,
     hadamard_factorization,
     hadamard_matrix,
-    hadamard_transform_for,
     kronecker_factors,
     kronecker_split,
+)
+from ora_megatron.orthogonal import (
+    METHODS,
+    frozen_projection,
+    hadamard_transform_for,
     matches_regenerated,
     orthogonal_matrix,
     seeded_generator,

@@ -162,7 +162,7 @@ def test_partial_frozen_schedule_unfreezes_at_the_right_steps(tmp_path):
 
 
 # One process at ZeRO-0 in fp32 is the single-replica path: no gradient all-reduce, and the
-# finiteness check reads the norm DeepSpeed clipped with (pretrain/runtime/engine.py, SkippingAdamW).
+# finiteness check reads the norm DeepSpeed clipped with (pretrain/runtime/optimizer.py, SkippingAdamW).
 @pytest.mark.parametrize("zero_stage, nproc", [(0, 2), (2, 2), (0, 1)])
 def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage, nproc):
     import math

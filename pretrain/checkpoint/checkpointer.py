@@ -99,8 +99,8 @@ class Checkpointer:
 
     def _write(self, eng, state: TrainState, tag: str) -> None:
         state.scheduler = eng.scheduler.state_dict()
-        eng.engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False,
-                                   client_state=reshard.optimizer_record(eng))  # names ZeRO-0's torch state
+        eng.ds_engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False,
+                                      client_state=reshard.optimizer_record(eng))  # names ZeRO-0's torch state
         rank = dist.get_rank()
         torch.save(_rng_state(), self.run_dir.rng_state_file(tag, rank))
         if rank == 0:
@@ -153,9 +153,9 @@ class Checkpointer:
         if converted is not None:
             reshard.load_converted(eng, converted)
         else:
-            restrict_checkpoint_loading(eng.engine)  # a run dir from elsewhere must not run code when loaded
-            path, _ = eng.engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=False)
+            restrict_checkpoint_loading(eng.ds_engine)  # a run dir from elsewhere must not run code when loaded
+            path, _ = eng.ds_engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
             if path is None:
                 raise RuntimeError(f"checkpoint {self.run_dir.checkpoint(tag)} could not be loaded")
             _set_rng_state(self.run_dir.rng_state_file(tag, dist.get_rank()))

@@ -63,7 +63,8 @@ from pretrain.runtime.ds_internals import (
     torch_optimizer_state,
     whole_tensor_masters,
 )
-from pretrain.runtime.engine import PipelinedGPT, param_groups
+from pretrain.runtime.engine import PipelinedGPT
+from pretrain.runtime.optimizer import param_groups
 
 META = "meta.json"
 FORMAT_VERSION = 1
@@ -95,7 +96,7 @@ def run_topology(cfg: RunConfig, world_size: int) -> Topology:
 
 def engine_topology(eng) -> Topology:
     """The topology of a running engine (every rank gets the same)."""
-    engine, world = eng.engine, dist.get_world_size()
+    engine, world = eng.ds_engine, dist.get_world_size()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = engine.num_stages if eng.pipelined else 1
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
@@ -116,7 +117,7 @@ def optimizer_record(eng) -> dict:
     entries are DeepSpeed's fp32 copies of the weights. A tied module's copy on a later pipeline stage
     is recorded as None: the first stage's copy is the one carried.
     """
-    masters = whole_tensor_masters(eng.engine)
+    masters = whole_tensor_masters(eng.ds_engine)
     if masters is None:
         return {}
     names = {}
@@ -127,7 +128,7 @@ def optimizer_record(eng) -> dict:
             names[id(masters[param])] = None if eng.module.is_tied_replica(raw) else eng.module.stage_name(raw)
         else:
             names[id(masters[param])] = raw
-    groups = [[names[id(p)] for p in group["params"]] for group in base_optimizer(eng.engine).param_groups]
+    groups = [[names[id(p)] for p in group["params"]] for group in base_optimizer(eng.ds_engine).param_groups]
     return {OPTIMIZER_RECORD: {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "groups": groups}}
 
 
@@ -353,10 +354,10 @@ def load_converted(eng, path: Path) -> None:
     if missing:
         raise CheckpointMismatch(f"{path}: no state for the trainable parameter(s) {missing[:5]}")
     steps = _group_steps(eng, param_steps)
-    _set_optimizer_state(eng.engine, loaded, steps)
-    _check_optimizer_state(eng.engine, loaded, steps)
-    eng.engine.global_steps = meta["step"]
-    eng.engine.global_samples = meta["step"] * eng.engine.train_batch_size()
+    _set_optimizer_state(eng.ds_engine, loaded, steps)
+    _check_optimizer_state(eng.ds_engine, loaded, steps)
+    eng.ds_engine.global_steps = meta["step"]
+    eng.ds_engine.global_samples = meta["step"] * eng.ds_engine.train_batch_size()
 
 
 def _tp_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: int) -> torch.Tensor:
@@ -394,7 +395,7 @@ def _group_steps(eng, param_steps: dict[int, int]) -> dict[str, torch.Tensor]:
     counts = set(param_steps.values())
     if len(counts) <= 1:
         return {group["name"]: torch.tensor(float(count))
-                for count in counts for group in base_optimizer(eng.engine).param_groups}
+                for count in counts for group in base_optimizer(eng.ds_engine).param_groups}
     steps = {}
     for group in param_groups(eng.module, 0.0):
         found = {param_steps[id(p)] for p in group["params"] if id(p) in param_steps}

@@ -9,7 +9,7 @@ import torch
 from pretrain.checkpoint.checkpointer import TrainState
 from pretrain.config import RunConfig
 from pretrain.runtime.data import StepBatches
-from pretrain.runtime.engine import batch_loss, data_parallel_mean
+from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import MetricsLogger
 
 
@@ -25,7 +25,7 @@ class Evaluator:
         """Mean loss over eval_iters global batches of `split` (None if the run has no such split)."""
         if not self.batches.has(split):
             return None
-        engine = eng.engine
+        engine = eng.ds_engine
         engine.eval()
         losses = []
         for i in range(self.cfg.train.eval_iters):

@@ -107,13 +107,13 @@ def apply_freeze_stage(cfg: RunConfig, eng, index: int, grad_accum: int):
     changes = _trainability_changes(module, trainability(cfg, index))
     if not changes:
         return eng
-    per_param, steps = _capture(eng.engine)
+    per_param, steps = _capture(eng.ds_engine)
     for param, flag in changes:
         param.requires_grad_(flag)
         param.optimizer_cohort = f"stage{index}"  # its own Adam step count
     scheduler_state = eng.scheduler.state_dict()
-    eng.engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
+    eng.ds_engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
     new = build_engine(cfg, grad_accum, model=module)
     new.scheduler.load_state_dict(scheduler_state)
-    _restore(new.engine, per_param, steps)
+    _restore(new.ds_engine, per_param, steps)
     return new

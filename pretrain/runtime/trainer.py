@@ -20,9 +20,10 @@ from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
-from pretrain.runtime.engine import Engine, MegatronMPU, batch_loss, build_engine, data_parallel_mean
+from pretrain.runtime.engine import Engine, MegatronMPU, build_engine
 from pretrain.runtime.evaluator import Evaluator
 from pretrain.runtime.freeze import apply_freeze_stage, freeze_stage_index
+from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger
 
 
@@ -66,7 +67,7 @@ class Trainer:
 
     def _dp_rank_size(self) -> tuple[int, int]:
         if self.eng.pipelined:
-            grid = self.eng.engine.grid
+            grid = self.eng.ds_engine.grid
             return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
@@ -93,7 +94,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _train_step(self, step: int) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss, left on the device until it is logged."""
-        engine = self.eng.engine
+        engine = self.eng.ds_engine
         if self.eng.pipelined:
             return engine.train_batch(data_iter=self.batches.pipeline_iter("train", step))
         losses = []
@@ -119,7 +120,7 @@ class Trainer:
 
     def _grad_norm(self) -> Optional[float]:
         """None where there is none, or where it is not finite (a skipped step)."""
-        norm = self.eng.engine.get_global_grad_norm()
+        norm = self.eng.ds_engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else self.zero0_grad_norm
         return norm if norm is not None and math.isfinite(norm) and norm >= 0 else None
 
@@ -146,10 +147,10 @@ class Trainer:
             with timer.paused():  # an engine rebuild at a freeze-schedule boundary is no step's time
                 self._enter_freeze_stage(freeze_stage_index(self.cfg, state.step))
             self.eng.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
-            skipped_before = self.eng.engine.skipped_steps
+            skipped_before = self.eng.ds_engine.skipped_steps
             loss = self._train_step(state.step)
             step_time = timer.lap()
-            skipped = self.eng.engine.skipped_steps > skipped_before
+            skipped = self.eng.ds_engine.skipped_steps > skipped_before
             state.step += 1
             state.tokens_seen += cfg.global_batch_size * self.cfg.model.seq_length
             state.skipped_steps += int(skipped)
@@ -159,7 +160,7 @@ class Trainer:
                 train_loss = self._mean_loss(loss)
                 logger.train_step(
                     state.step, train_loss, step_time, skipped=skipped, skipped_steps=state.skipped_steps,
-                    lr=self.eng.scheduler.get_lr(self.eng.engine.optimizer.param_groups[0]),
+                    lr=self.eng.scheduler.get_lr(self.eng.ds_engine.optimizer.param_groups[0]),
                     grad_norm=self._grad_norm(), trainable_params=self.param_counts[0])
             logger.step_done(state.step)
             too_many_skips = state.consecutive_skips >= cfg.max_consecutive_skips
@@ -189,5 +190,5 @@ class Trainer:
     def _allocated_by_rank(self) -> list[dict]:
         """Every rank's optimizer-state and gradient bytes (a collective)."""
         allocated = [None] * dist.get_world_size()
-        dist.all_gather_object(allocated, accounting.allocated_state(self.eng.engine, self.grad_bytes))
+        dist.all_gather_object(allocated, accounting.allocated_state(self.eng.ds_engine, self.grad_bytes))
         return allocated

@@ -159,9 +159,9 @@ class Arm:
     def train_step(self, batches, step: int, forward_context=lambda micro: contextlib.nullcontext(),
                    after_backward=lambda micro: None) -> None:
         """One optimizer step, as Trainer._train_step takes it through a plain engine."""
-        from pretrain.runtime.engine import batch_loss
+        from pretrain.runtime.loss import batch_loss
 
-        engine = self.eng.engine
+        engine = self.eng.ds_engine
         self.eng.scheduler.step(1)
         for micro in range(self.grad_accum):
             batch = batches[(step * self.grad_accum + micro) % len(batches)]
@@ -176,14 +176,14 @@ class Arm:
         module = self.eng.module
         module.eval()
         with torch.no_grad():
-            module(batch["tokens"].to(self.eng.engine.device))
+            module(batch["tokens"].to(self.eng.ds_engine.device))
         module.train()
 
     def probe_step(self, batches, step: int) -> None:
         """One training step under FlopCounterMode and saved-tensor hooks; reads gradient bytes too."""
         from pretrain.runtime import accounting
 
-        engine = self.eng.engine
+        engine = self.eng.ds_engine
         saved = SavedTensorBytes(engine.module)
         grad_bytes = {}
 
@@ -215,7 +215,7 @@ class Arm:
     def report(self) -> dict:
         from pretrain.runtime import accounting
 
-        engine, model = self.eng.engine, self.cfg.model
+        engine, model = self.eng.ds_engine, self.cfg.model
         params = list(engine.module.parameters())
         trainable = [p for p in params if p.requires_grad]
         state = accounting.allocated_state(engine, self.probe["gradient_bytes"])

@@ -3,7 +3,7 @@
     python pretrain/research/benchmarks/hadamard_chunks.py [--d-model 512] [--tokens 2048]
         [--chunks 2048,1024,512,256,128] [--repeats 30] [--json OUT]
 
-What `_HadamardQKV` runs for Q and K of one layer (ora_megatron.orthogonal.HadamardRows: two
+What `_HadamardQKV` runs for Q and K of one layer (ora_megatron.hadamard.HadamardRows: two
 transforms of order d, every column taken in a random order): `columns` (the two contractions
 and the gather into the output) and `columns_transposed` (the gather of the gradient, the adjoint
 contractions), on [tokens, d] fp32 inputs. The chunk sizes take turns within every repeat, so a
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ora_megatron.orthogonal import HadamardRows
+from ora_megatron.hadamard import HadamardRows
 
 
 def timed(fn) -> float:
