@@ -27,7 +27,7 @@ from pretrain.run_dir import RunDir
 EXPERIMENTS = REPO / "pretrain" / "experiments"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 
-# The arms each shipped spec must have (issue 10), in order, and its reference arm.
+# The arms each shipped spec must have (the research plan's grid), in order, and its reference arm.
 SHIPPED = {
     "core": (["vanilla", "ora", "frozen_gaussian"], "vanilla"),
     "baselines": (["vanilla", "ora", "synthesizer_random", "synthesizer_random_fixed", "synthesizer_factorized",

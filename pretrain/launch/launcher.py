@@ -340,6 +340,9 @@ def launch(args: list[str], env: Environment) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     environ = os.environ
     env = Environment(environ, Path(environ.get("ORA_CALLER_DIR") or os.getcwd()))
     os.chdir(REPO)

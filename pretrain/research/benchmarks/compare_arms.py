@@ -35,8 +35,8 @@ Per arm:
   TFLOP/s (analytic FLOPs × tokens/s) and MFU against accounting's dense bf16 peak table (also
   for fp32 runs: `mfu_vs_bf16_dense_peak`).
 
-The block-dominated CPU comparison of issue 10 (the ratios it checks: ora ≤ 0.97, ora_hadamard ≤
-0.90 × vanilla step time):
+The block-dominated CPU comparison (its targets: ora ≤ 0.97, ora_hadamard ≤ 0.90 × vanilla step
+time; dated runs in RESULTS.md beside this file):
 
     python -m pretrain.research.benchmarks.compare_arms --config tiny --arms vanilla,ora,ora_hadamard \\
         --steps 20 --warmup 3 \\

@@ -1,6 +1,6 @@
 """The nanoGPT `shakespeare_char` CPU yardstick: our whole stack beside nanoGPT itself, in one invocation.
 
-    python pretrain/research/benchmarks/nanogpt_shakespeare.py --input runs/data/tinyshakespeare.txt \
+    python -m pretrain.research.benchmarks.nanogpt_shakespeare --input runs/data/tinyshakespeare.txt \
         [--nanogpt PATH_TO_NANOGPT_CHECKOUT] [--out-dir runs/bench/shakespeare] [--steps 2000] \
         [--attention vanilla ora] [--slice 3]
 

@@ -1,4 +1,7 @@
-"""`python -m pretrain.research.report DIR… --out REPORT_DIR [--reference vanilla] [--target-loss X] [--last-k 5]`."""
+"""The statistical report of one or more sweep output directories (`python -m pretrain.research.sweep`'s
+--out: one run in each <arm>/seed<seed>/): report.md with per-arm final losses (mean ± std), paired
+tests against the reference arm (t-test and Wilcoxon, Holm-corrected; Cohen's d_z), convergence,
+stability, speed and memory, the same tables as CSV and JSON, and plots."""
 
 from __future__ import annotations
 

@@ -1,0 +1,132 @@
+"""The documentation's commands and links work as written: every `python -m MODULE` that README.md
+or a page under docs/ (and the other READMEs) names answers `--help` under that name, not a moved
+module's old one, and every relative link points to a file that exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+from pretrain_runs import REPO
+
+import data_tools
+import pretrain
+from ora_megatron.module_aliases import MovedModules
+
+PROJECT_PACKAGES = ("pretrain", "data_tools", "ora_megatron")
+# Folders that hold no documentation of ours (environments, run outputs, caches).
+NOT_DOCS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+MODULE_COMMAND = re.compile(r"\bpython3? -m ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*$", re.MULTILINE)
+
+
+def documents() -> list[Path]:
+    """README.md and every other Markdown file of the repository (docs/ and its results included)."""
+    found = []
+    for folder, subfolders, files in os.walk(REPO):
+        subfolders[:] = sorted(d for d in subfolders if d not in NOT_DOCS and not d.endswith(".egg-info"))
+        found += [Path(folder) / name for name in sorted(files) if name.endswith(".md")]
+    return found
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def documented_modules() -> dict[str, list[str]]:
+    """Module → the documents naming it in a `python -m` command (code blocks included)."""
+    modules: dict[str, list[str]] = {}
+    for doc in documents():
+        for name in MODULE_COMMAND.findall(doc.read_text()):
+            modules.setdefault(name, []).append(relative(doc))
+    return modules
+
+
+def moved_to(name: str) -> str | None:
+    """The new name of a module the documentation still calls by its old one (None: not moved)."""
+    assert pretrain and data_tools  # imported: their tables of moved modules are installed
+    finders = [f for f in sys.meta_path if isinstance(f, MovedModules)]
+    return next((new for new in (f.new_name(name) for f in finders) if new), None)
+
+
+def exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package that does not exist
+        return False
+
+
+def anchors(doc: Path) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown file (code blocks left out)."""
+    text = FENCE.sub("", doc.read_text())
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in HEADING.findall(text)}
+
+
+def relative_links(doc: Path) -> list[str]:
+    targets = LINK.findall(FENCE.sub("", doc.read_text()))
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto: ...
+
+
+DOCUMENTED = documented_modules()
+
+
+def test_the_documents_name_commands():
+    assert "README.md" in {relative(d) for d in documents()}
+    for module in ("pretrain.pretrain_ora", "pretrain.export.convert_to_hf", "pretrain.research.sweep"):
+        assert module in DOCUMENTED, f"no document shows `python -m {module}`"
+
+
+@pytest.fixture
+def keep_environment():
+    """Entry points set variables of their own (offline modes); the test process keeps its own."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("module", sorted(DOCUMENTED))
+def test_documented_module_answers_help(module, monkeypatch, capsys, keep_environment):
+    where = ", ".join(sorted(set(DOCUMENTED[module])))
+    new = moved_to(module)
+    assert new is None, f"{where}: `python -m {module}` is an old name, now {new}"
+    assert exists(module), f"{where}: `python -m {module}`: no such module"
+    if module.split(".")[0] not in PROJECT_PACKAGES:
+        return  # a tool's own command (pip, venv, ...): that it exists is all we check
+    for name in (module, f"{module}.__main__"):  # as in a fresh `python -m`
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None), f"{where}: `python -m {module} --help` exited {exit_.value.code}"
+    assert "usage:" in out, f"{where}: `python -m {module} --help` printed no usage"
+
+
+@pytest.mark.parametrize("doc", documents(), ids=relative)
+def test_relative_links_point_to_existing_files(doc):
+    broken = []
+    for target in relative_links(doc):
+        path_part, _, anchor = unquote(target).partition("#")
+        path = (doc.parent / path_part).resolve() if path_part else doc
+        if not path.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target}: no heading #{anchor} in {relative(path)}")
+    assert not broken, f"{relative(doc)}: " + "; ".join(broken)
+
+
+def test_a_module_that_does_not_exist_is_caught():
+    """The check above fails for a misspelt or removed module, and for a moved module's old name."""
+    assert not exists("pretrain.no_such_module") and not exists("no_such_package.module")
+    assert moved_to("pretrain.convert_to_hf") == "pretrain.export.convert_to_hf"
+    assert MODULE_COMMAND.findall("run `python -m pretrain.research.report DIR…`.") == ["pretrain.research.report"]
