@@ -272,12 +272,13 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
     keep_offline(cfg.logging.wandb_mode)  # before anything imports wandb or a Hugging Face library
     if under_launcher:
         die_with_launcher()
-    try:
+    if not cfg.data.mock:  # (megatron-core's datasets take seconds to import: only for data to check)
         from pretrain.runtime.data import check_data
 
-        check_data(cfg)
-    except (ConfigError, OSError) as e:
-        raise StartRefused(str(e)) from e
+        try:
+            check_data(cfg)
+        except (ConfigError, OSError) as e:
+            raise StartRefused(str(e)) from e
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     start = Start(cfg, world_size, grad_accum, run_dir)
     problem = unwritable(start.run_dir)
@@ -295,11 +296,13 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
             start.lock = run_dir.acquire_lock()
     except (RunDirBusy, OSError) as e:  # OSError: the run dir cannot be created
         raise StartRefused(str(e)) from e
-    from pretrain.checkpoint.reshard import plan_topology_change
-
     try:
         plan = check_resume(run_dir, cfg, world_size)
-        topology_change = plan_topology_change(run_dir, plan.tag, cfg, world_size)
+        topology_change = None
+        if plan.tag is not None:  # (reshard imports DeepSpeed: only for a checkpoint to resume)
+            from pretrain.checkpoint.reshard import plan_topology_change
+
+            topology_change = plan_topology_change(run_dir, plan.tag, cfg, world_size)
     except ResumeRefused as e:
         raise StartRefused(str(e)) from e
     for line in plan.notices():
