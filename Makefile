@@ -17,9 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# What CI runs (.ci/run): the linter, then every test.
+# What CI runs (.ci/run): the linter, then every test, naming the 15 slowest.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: install
 	$(PY) -m ruff check .

@@ -1,4 +1,4 @@
-"""Data and training runs shared by several test files (session scope: each is built once)."""
+"""Data and training runs shared by the whole suite (session scope: each is built once)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 from data_fixtures import build_slimpajama
-from pretrain_runs import LAYOUTS, REPO, run, write_config
+from pretrain_runs import LAYOUTS, REPO, RunCache
 
 # Fixtures that train: a test using one starts worker processes, whatever its own marks say.
-TRAINING_FIXTURES = {"reference", "layout_runs"}
+TRAINING_FIXTURES = {"trained_runs", "reference", "layout_runs"}
 
 
 def pytest_collection_modifyitems(items):
@@ -20,25 +20,20 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("pretrain_parallel")
+def trained_runs(tmp_path_factory) -> RunCache:
+    return RunCache(tmp_path_factory.mktemp("trained_runs"))
 
 
 @pytest.fixture(scope="session")
-def reference(workdir):
-    run_dir = workdir / "single"
-    run(write_config(workdir), run_dir)
-    return run_dir
+def reference(trained_runs):
+    """TINY_RUN on one process, ZeRO-0: what every layout is compared with."""
+    return trained_runs.trained()
 
 
 @pytest.fixture(scope="session")
-def layout_runs(workdir):
-    config = write_config(workdir)
-    runs = {}
-    for name, overrides in LAYOUTS.items():
-        runs[name] = workdir / name
-        run(config, runs[name], overrides, nproc=2)
-    return runs
+def layout_runs(trained_runs):
+    """TINY_RUN on two processes in each of LAYOUTS."""
+    return {name: trained_runs.trained(overrides, nproc=2) for name, overrides in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="session")

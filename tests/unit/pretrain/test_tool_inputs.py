@@ -113,7 +113,7 @@ def test_report_on_a_training_run_says_it_reads_sweep_outputs(tmp_path, capsys):
 
 
 def test_report_out_that_is_a_file_is_refused(tmp_path, capsys):
-    from test_report import write_run
+    from sweep_runs import write_run
 
     write_run(tmp_path / "sweep", "vanilla", 42, final_loss=3.0)
     (tmp_path / "notes.txt").write_text("mine")

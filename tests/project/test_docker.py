@@ -17,8 +17,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from pretrain_runs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 HEREDOC = re.compile(r"<<-?(['\"]?)(\w+)\1")

@@ -21,6 +21,7 @@ import sentencepiece
 import torch
 from data_fixtures import SOURCES, build_slimpajama
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from pretrain_runs import REPO
 
 from data_tools import build_shards, readers, train_tokenizer
 from data_tools import inspect_shards as inspect_tool
@@ -28,7 +29,6 @@ from data_tools.build_options import BuildOptionError, BuildOptions
 from data_tools.manifest import blend_from_manifest, blend_per_split_from_manifest
 from data_tools.split_plan import SplitPlan
 
-REPO = Path(__file__).resolve().parents[1]
 SPLIT = "train=0.8,valid=0.1,test=0.1"
 FRACTIONS = (0.8, 0.1, 0.1)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
-from pretrain_runs import LAYOUTS, run, write_config
+from pretrain_runs import LAYOUTS
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ParallelConfig
@@ -49,12 +49,8 @@ Q1 = "layer1.layer.self_attention.linear_qkv.q_weight"
 
 
 @pytest.fixture(scope="module")
-def runs(workdir, layout_runs):
-    config = write_config(workdir)
-    extra = {}
-    for name, (overrides, nproc) in EXTRA_RUNS.items():
-        extra[name] = workdir / name
-        run(config, extra[name], overrides, nproc=nproc)
+def runs(trained_runs, layout_runs):
+    extra = {name: trained_runs.trained(overrides, nproc=nproc) for name, (overrides, nproc) in EXTRA_RUNS.items()}
     return {**layout_runs, **extra}
 
 

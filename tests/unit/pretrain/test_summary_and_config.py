@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from pretrain_runs import REPO
 
 from ora_megatron.config_io import ConfigError
 from ora_megatron.model_config import load_model_section
 
-REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "pretrain/configs/base.yaml")
 BASE_FROZEN_QK = 2 * 12 * 768 * 768  # 14,155,776
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from pretrain.config import REPO
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
-
-REPO = Path(__file__).resolve().parents[1]
 
 TINY_RUN = """
 model:
@@ -80,3 +81,31 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 def summary(run_dir: Path):
     return RunDir(run_dir).read_summary()
+
+
+class RunCache:
+    """Each distinct training — (config text, overrides, process count) — runs once per test session.
+
+    `trained(...)` returns the finished run dir, which tests only read; a test that changes a run,
+    resumes it or trains it further takes `copy(...)`, its own copy. Tests that ask for the same
+    training share one run, wherever they are in the suite."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._runs: dict[tuple, Path] = {}
+
+    def trained(self, overrides=(), nproc: int = 1, config: str = TINY_RUN) -> Path:
+        key = (config, tuple(overrides), nproc)
+        if key not in self._runs:
+            folder = self.root / hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+            folder.mkdir(parents=True)
+            run(write_config(folder, config), folder / "run", overrides, nproc)
+            self._runs[key] = folder / "run"
+        return self._runs[key]
+
+    def copy(self, dest: Path, overrides=(), nproc: int = 1, config: str = TINY_RUN) -> Path:
+        """A copy of the trained run at `dest`, and its config beside it (`dest.parent / "run.yaml"`)."""
+        shutil.copytree(self.trained(overrides, nproc, config), dest)
+        write_config(dest.parent, config)
+        return dest
+

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pretrain_runs import REPO, command, env, records, run, summary, write_config
-from test_pretrain_faults import _workers
+from processes import workers_of
 
 from pretrain import pretrain_ora
 from pretrain.config import config_hash
@@ -143,7 +143,7 @@ def test_the_same_two_process_command_started_twice_trains_once(tmp_path):
         while not records(run_dir) and first.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert records(run_dir), "the first run did not start training"
-        workers = _workers(first)
+        workers = workers_of(first)
         assert len(workers) == 2
         for pid in workers:  # handed down by the launcher: held while any of them lives
             assert os.readlink(f"/proc/{pid}/fd/0") == str(RunDir(run_dir).lock_file)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from pretrain_runs import REPO, TINY_RUN, command, env, losses_by_step, records, run, summary, write_config
+from processes import kill_job, wait_for_step, workers_of
 
 from pretrain.run_dir import RunDir, checkpoint_tag
 
@@ -23,16 +22,6 @@ SLOWER_RUN = TINY_RUN.replace("hidden_size: 64", "hidden_size: 128").replace("nu
     .replace("save_interval: 3", "save_interval: 5")
 
 
-def _wait_for_step(run_dir, step: int, proc, timeout: float = 240.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(r.step >= step for r in records(run_dir)):
-            return
-        assert proc.poll() is None, "run ended before it could be interrupted"
-        time.sleep(0.02)
-    raise TimeoutError(f"step {step} not reached")
-
-
 def test_sigkill_then_resume_reproduces_losses(tmp_path):
     config = write_config(tmp_path, SLOWER_RUN)
     overrides = ["deepspeed.zero_stage=1"]
@@ -42,8 +31,8 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     interrupted = tmp_path / "interrupted"
     proc = subprocess.Popen(command(config, interrupted, overrides, nproc=2), cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait_for_step(interrupted, 12, proc)
-    _kill_job(proc)
+    wait_for_step(interrupted, 12, proc)
+    kill_job(proc)
     killed_at = max(r.step for r in records(interrupted))
     assert killed_at < 40, "the workers trained on after their launcher was killed"
     # The checkpoint carries the training time so far; make it large, so the resumed run's summary
@@ -115,7 +104,7 @@ def test_sigterm_and_ctrl_c_checkpoint_and_exit_zero_saying_so(tmp_path, signum)
     run_dir = tmp_path / "preempted"
     proc = subprocess.Popen(command(config, run_dir, ["train.steps=400"]), cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(run_dir, 3, proc)
+    wait_for_step(run_dir, 3, proc)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
@@ -136,7 +125,7 @@ def test_sigterm_and_ctrl_c_checkpoint_and_exit_zero_saying_so(tmp_path, signum)
     (["optimizer.warmup_steps=6"], "optimizer.warmup_steps"),
     (["train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=3"], "train.freeze_schedule"),
 ])
-def test_config_error_names_key_and_starts_no_workers(tmp_path, overrides, key):
+def test_config_error_names_key_and_starts_noworkers_of(tmp_path, overrides, key):
     run_dir = tmp_path / "never"
     started = time.time()
     out = run(write_config(tmp_path), run_dir, overrides, nproc=2, check=False)
@@ -209,8 +198,8 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
     proc = subprocess.Popen(command(config, run_dir, ["train.steps=400", "train.collective_timeout_s=30"], nproc=2),
                             cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    _wait_for_step(run_dir, 3, proc)
-    children = _workers(proc)
+    wait_for_step(run_dir, 3, proc)
+    children = workers_of(proc)
     assert len(children) == 2, children
     os.kill(children[1], signal.SIGKILL)
     started = time.time()
@@ -221,43 +210,6 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert time.time() - started < 90
-
-
-def _workers(proc) -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == proc.pid]
-
-
-def _kill_job(proc) -> None:
-    """SIGKILL the launcher, as the OOM killer or a machine failure would. Its workers, which torchrun
-    starts in their own sessions, must die with it (pretrain_ora.die_with_launcher) rather than
-    train on beside the job that resumes the run."""
-    workers = _workers(proc)
-    assert workers, "no workers to kill"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.time() + 10  # the kernel signals them as the launcher exits
-    while any(_alive(pid) for pid in workers) and time.time() < deadline:
-        time.sleep(0.05)
-    survivors = [pid for pid in workers if _alive(pid)]
-    for pid in survivors:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert not survivors, "workers outlived their SIGKILLed launcher"
-
-
-def _alive(pid: int) -> bool:
-    """Running, not gone or a zombie waiting to be reaped."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def test_bf16_zero3_checkpoint_resumes_with_frozen_qk_intact(tmp_path):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pretrain_runs import LAYOUTS, losses_by_step, run, summary, write_config
+from pretrain_runs import LAYOUTS, losses_by_step, summary
 
-# The runs (fixtures workdir, reference, layout_runs) are in conftest.py: test_consolidate.py reuses them.
+# The runs (reference, layout_runs) are the session's (conftest.py): other tests read them too.
 pytestmark = pytest.mark.distributed
 
 
@@ -42,9 +42,8 @@ def test_parameter_counts_are_global_in_every_layout(reference, layout_runs, lay
                                                                    expected.frozen_params)
 
 
-def test_activation_checkpointing_changes_no_loss(reference, workdir):
-    run_dir = workdir / "recompute"
-    run(write_config(workdir), run_dir, ["train.activation_checkpointing=true"])
+def test_activation_checkpointing_changes_no_loss(reference, trained_runs):
+    run_dir = trained_runs.trained(["train.activation_checkpointing=true"])
     assert losses_by_step(run_dir) == losses_by_step(reference)
 
 

@@ -160,17 +160,19 @@ def bf16_zero0(root):
 def test_bf16_zero0_to_zero1_and_back(root, bf16_zero0):
     """The fp32 masters of bf16 without ZeRO are DeepSpeed's copies, not the rounded weights: read from
     its checkpoint on the way there, set in its optimizer on the way back."""
-    # Losses stay within 1e-5 (measured: equal). The state gets a looser bound: the two optimizers'
-    # fp32 arithmetic differs by an ulp here and there (fp32 masters: <= 1.7e-6 of the scale), which
-    # flips the bf16 rounding of a few weights and so a few gradients (moments: <= 7.8e-5). Masters
-    # rounded to bf16 instead of carried fail the loss bound.
+    # Losses stay within 1e-5 (measured: equal). The state gets a bf16-sized bound: the two
+    # optimizers' fp32 arithmetic differs by an ulp here and there (fp32 masters: <= 1.7e-6 of the
+    # scale), which flips the bf16 rounding of a few weights and so a few gradients. The moments
+    # then differ by a fraction of bf16's ulp (2^-8 = 3.9e-3): measured 7.8e-5 of the scale on one
+    # machine and 2.8e-3 on another (another CPU, other vector kernels). Masters rounded to bf16
+    # instead of carried fail the loss bound.
     there = resume(bf16_zero0, root / "bf16_zero0_to_zero1", 3,
                    BF16 + ZERO1 + ["checkpoint.save_interval=1", "checkpoint.keep_last=3"], nproc=1)
     assert_resumed_like(*there, bf16_zero0, 3, "written with DP1/TP1/PP1/ZeRO-0, resuming with DP1/TP1/PP1/ZeRO-1",
-                        state_rtol=1e-3)
+                        state_rtol=1e-2)
     back = resume(there[0], root / "bf16_zero1_to_zero0", 4, BF16 + ["deepspeed.zero_stage=0"], nproc=1)
     assert_resumed_like(*back, bf16_zero0, 4, "written with DP1/TP1/PP1/ZeRO-1, resuming with DP1/TP1/PP1/ZeRO-0",
-                        state_rtol=1e-3)
+                        state_rtol=1e-2)
 
 
 # ---------------------------------------------------------------------------- records and refusals
