@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# DeepSpeed compiles its CPU communication op on first use. Building it beside this environment's torch
+# keeps it apart from other environments' builds, and from a lock a killed build left in ~/.cache.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: install test test-fast lint demo
 
