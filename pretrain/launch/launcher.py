@@ -44,6 +44,9 @@ from pretrain.config import REPO, preset_names, preset_path
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
 
 ENTRY = ["--module", "pretrain.pretrain_ora"]  # run from the repository root
+# DeepSpeed's SLURM backend runs `python -u SCRIPT` and has no --module (multinode_runner.py,
+# SlurmRunner): it gets the entry's file, which puts the repository first on sys.path itself.
+ENTRY_FILE = ["pretrain/pretrain_ora.py"]
 USAGE = "usage: launch/pretrain_ora.sh PRESET|CONFIG [--set key=value ...] (see the top of the script)"
 
 # --set overrides that stand in for an environment variable.
@@ -250,7 +253,7 @@ def deepspeed_command(topology: Topology, entry_args: list[str], env: Environmen
         # srun reaches the nodes through SLURM; DeepSpeed's ssh check of the first host would only
         # fail where a cluster allows no ssh between nodes.
         command.append("--no_ssh_check")
-    return command + [*ENTRY, *entry_args]
+    return command + [*(ENTRY_FILE if topology.launcher == "slurm" else ENTRY), *entry_args]
 
 
 def environment_file_lines(topology: Topology, env: Environment) -> list[str]:
