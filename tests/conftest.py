@@ -7,16 +7,21 @@ import sys
 
 import pytest
 from data_fixtures import build_slimpajama
+from one_process import process_group
 from pretrain_runs import LAYOUTS, REPO, RunCache
 
 # Fixtures that train: a test using one starts worker processes, whatever its own marks say.
 TRAINING_FIXTURES = {"trained_runs", "reference", "layout_runs"}
+# Fixtures that build data through the data tools' commands (seconds of subprocesses).
+SLOW_FIXTURES = {"shards"}
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if TRAINING_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.distributed)
+        elif SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +53,10 @@ def shards(tmp_path_factory):
                   "--split", "train=0.8,valid=0.1,test=0.1", "--quiet"]):
         subprocess.run([sys.executable, "-m", *args], cwd=REPO, check=True, capture_output=True)
     return root / "shards"
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """torch.distributed and megatron-core's parallel state for one rank (gloo), for a module's tests."""
+    with process_group():
+        yield

@@ -9,7 +9,8 @@ import sys
 import pytest
 import sentencepiece
 import torch
-from pretrain_runs import REPO, run, write_config
+from manifest_runs import manifest_run
+from pretrain_runs import REPO, write_config
 from safetensors.torch import load_file
 
 from ora_megatron.families import gpt2_hf, llama_hf
@@ -19,12 +20,15 @@ from pretrain.run_dir import RunDir
 pytestmark = pytest.mark.distributed
 
 FAMILIES = {"gpt2": [], "llama": ["model.family=llama", "model.num_query_groups=2"]}
-LAYOUTS = {  # name: (overrides, processes)
+# name: (overrides, processes). On gpt2 these are the suite's shared runs of TINY_RUN (the one-process
+# reference and LAYOUTS' tp2-zero1, pp2-zero1 and dp2-zero3, and bf16-zero1): the same overrides, in
+# the same order, so that each is trained once.
+LAYOUTS = {
     "tp1": ([], 1),
     "tp2": (["parallel.tensor=2", "deepspeed.zero_stage=1"], 2),
     "pp2": (["parallel.pipeline=2", "deepspeed.zero_stage=1"], 2),
     "zero3": (["deepspeed.zero_stage=3"], 2),
-    "bf16": (["deepspeed.precision=bf16", "deepspeed.zero_stage=1"], 2),
+    "bf16": (["deepspeed.zero_stage=1", "deepspeed.precision=bf16"], 2),
 }
 CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
 # The layouts' weights differ from one process only by summation order (measured in
@@ -35,25 +39,27 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "  two  spaces\tand a t
 
 
 @pytest.fixture(scope="module")
-def real_runs(tmp_path_factory, shards):
-    """Each family × layout trained 6 steps on the real (tokenized) corpus."""
-    root = tmp_path_factory.mktemp("hf_export")
-    config = write_config(root)
-    data = [f"data.manifest={shards}/manifest.json", "data.mock=false", "model.vocab_size=400"]
-    runs = {}
-    for family, layout in CASES:
-        overrides, nproc = LAYOUTS[layout]
-        runs[family, layout] = root / f"{family}-{layout}"
-        run(config, runs[family, layout], data + FAMILIES[family] + overrides, nproc=nproc)
-    return runs
+def runs(trained_runs):
+    """Each family × layout: TINY_RUN trained 6 steps on mock data (the export verifies on its
+    validation samples and random tokens)."""
+    return {(family, layout): trained_runs.trained(FAMILIES[family] + LAYOUTS[layout][0], nproc=LAYOUTS[layout][1])
+            for family, layout in CASES}
 
 
 @pytest.fixture(scope="module")
-def exports(real_runs, tmp_path_factory):
+def exports(runs, tmp_path_factory):
     """(family, layout) → (export dir, verification figures)."""
     root = tmp_path_factory.mktemp("hf_dirs")
     return {case: (root / "-".join(case), export(RunDir(run_dir), root / "-".join(case)))
-            for case, run_dir in real_runs.items()}
+            for case, run_dir in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def real_data_export(trained_runs, shards, tmp_path_factory):
+    """(export dir, verification figures) of the suite's run on real data: a llama with Hadamard Q/K
+    and the shards' sentencepiece tokenizer."""
+    out = tmp_path_factory.mktemp("hf_real_data") / "hf"
+    return out, export(RunDir(manifest_run(trained_runs, shards)), out)
 
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
@@ -77,7 +83,7 @@ def test_exported_weights_do_not_depend_on_the_layout(exports, case):
 @pytest.mark.parametrize("family, wrong", [
     ("gpt2", "swap_qk"), ("llama", "swap_qk"), ("llama", "permute_rope"),
 ])
-def test_a_wrong_mapping_fails_verification(real_runs, tmp_path, monkeypatch, family, wrong):
+def test_a_wrong_mapping_fails_verification(runs, tmp_path, monkeypatch, family, wrong):
     mapping = {"gpt2": gpt2_hf, "llama": llama_hf}[family]
     right = mapping.hf_state_dict
 
@@ -102,22 +108,22 @@ def test_a_wrong_mapping_fails_verification(real_runs, tmp_path, monkeypatch, fa
         return out
 
     monkeypatch.setattr(mapping, "hf_state_dict", wrong_state_dict)
-    figures = export(RunDir(real_runs[family, "tp1"]), tmp_path / "wrong")
+    figures = export(RunDir(runs[family, "tp1"]), tmp_path / "wrong")
     print(family, wrong, figures)
     assert not figures["passed"]
     assert (tmp_path / "wrong.unverified").is_dir() and not (tmp_path / "wrong").exists()
 
 
-def test_bf16_export_verifies_and_holds_bf16_weights(real_runs, tmp_path):
-    figures = export(RunDir(real_runs["llama", "bf16"]), tmp_path / "bf16", dtype="bf16")
+def test_bf16_export_verifies_and_holds_bf16_weights(runs, tmp_path):
+    figures = export(RunDir(runs["llama", "bf16"]), tmp_path / "bf16", dtype="bf16")
     assert figures["passed"], figures
     assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bf16" / "model.safetensors").values())
 
 
-def test_tokenizer_and_generation_from_the_export(exports, shards):
+def test_tokenizer_and_generation_from_the_export(real_data_export, shards):
     from transformers import AutoTokenizer, pipeline
 
-    out = exports["llama", "tp1"][0]
+    out = real_data_export[0]
     sp = sentencepiece.SentencePieceProcessor(model_file=str(shards.parent / "tok" / "sp.model"))
     tokenizer = AutoTokenizer.from_pretrained(out)
     for text in TEXTS:
@@ -151,11 +157,8 @@ def test_variants_without_hf_architecture_are_refused_before_writing(tmp_path, a
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
 
 
-def test_hadamard_qk_are_exported_as_dense_matrices(shards, tmp_path):
+def test_hadamard_qk_are_exported_as_dense_matrices(real_data_export):
     """Our model applies frozen Hadamard Q/K as a fast transform; the export holds them as matrices."""
-    run_dir = tmp_path / "hadamard"
-    run(write_config(tmp_path), run_dir, [f"data.manifest={shards}/manifest.json", "data.mock=false",
-                                          "model.vocab_size=400", *FAMILIES["llama"],
-                                          "model.attention.orthogonal_method=hadamard"])
-    figures = export(RunDir(run_dir), tmp_path / "hf")
+    out, figures = real_data_export
+    assert "attention `ora` (hadamard)" in (out / "README.md").read_text()
     assert figures["passed"], figures

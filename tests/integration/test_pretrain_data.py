@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from pretrain_runs import TINY_RUN, losses_by_step, records, run, summary, write_config
+from manifest_runs import manifest_overrides, manifest_run
+from pretrain_runs import TINY_RUN, arguments, losses_by_step, records, run, summary, write_config
 
 from data_tools.manifest import blend_from_manifest
+from pretrain import pretrain_ora
 
-pytestmark = pytest.mark.distributed
 
-
-def test_trains_from_manifest(tmp_path, shards):
-    run_dir = tmp_path / "manifest_run"
-    run(write_config(tmp_path), run_dir, [f"data.manifest={shards}/manifest.json", "data.mock=false",
-                                          "train.steps=8", "model.vocab_size=400"], nproc=2)
+def test_trains_from_manifest(trained_runs, shards):
+    run_dir = manifest_run(trained_runs, shards)  # 8 steps on two processes
     losses = losses_by_step(run_dir)
     assert losses[8] < losses[1]
     assert [r.step for r in records(run_dir, "valid")] == [3, 6, 8]
     assert summary(run_dir).final_test_loss is not None
 
 
+@pytest.mark.distributed
 def test_trains_from_explicit_blend_split_by_ratio(tmp_path, shards):
     prefixes, weights = blend_from_manifest(str(shards))["train"]
     blend = ",".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(prefixes, weights))
@@ -33,26 +32,28 @@ def test_trains_from_explicit_blend_split_by_ratio(tmp_path, shards):
     assert records(run_dir, "valid")
 
 
-def test_split_without_documents_is_a_config_error(tmp_path, shards):
+def refused(config, run_dir, overrides, capsys) -> str:
+    """pretrain_ora's message for a config it refuses (status 2) before any worker starts."""
+    assert pretrain_ora.main(arguments(config, run_dir, overrides)) == 2
+    return capsys.readouterr().err
+
+
+def test_split_without_documents_is_a_config_error(tmp_path, shards, capsys):
     """megatron-core would loop forever on a split that rounds to zero documents."""
     prefixes, _ = blend_from_manifest(str(shards))["train"]
     config = write_config(tmp_path, TINY_RUN.replace(
         "data: {mock: true}", f"data: {{blend: [{{path: {prefixes[0]}}}], split: '98,1,1', "
                               f"tokenizer: {shards.parent / 'tok' / 'sp.model'}}}"))
-    out = run(config, tmp_path / "never", ["model.vocab_size=400"], check=False, timeout=60)
-    assert out.returncode == 2
-    assert "data.blend" in out.stderr and "holds none of its" in out.stderr
+    err = refused(config, tmp_path / "never", ["model.vocab_size=400"], capsys)
+    assert "data.blend" in err and "holds none of its" in err
     missing = write_config(tmp_path, TINY_RUN.replace("data: {mock: true}", "data: {blend: [{path: /nope/x}], "
                                                       f"tokenizer: {shards.parent / 'tok' / 'sp.model'}}}"))
-    out = run(missing, tmp_path / "never", ["model.vocab_size=400"], check=False, timeout=60)
-    assert out.returncode == 2 and "no indexed dataset at /nope/x" in out.stderr
+    assert "no indexed dataset at /nope/x" in refused(missing, tmp_path / "never", ["model.vocab_size=400"], capsys)
 
 
-def test_vocab_smaller_than_the_tokenizer_is_a_config_error(tmp_path, shards):
+def test_vocab_smaller_than_the_tokenizer_is_a_config_error(tmp_path, shards, capsys):
     """Caught before any worker starts, not as an index error in the first forward."""
-    out = run(write_config(tmp_path), tmp_path / "never",
-              [f"data.manifest={shards}/manifest.json", "data.mock=false", "model.vocab_size=300"],
-              check=False, timeout=60)
-    assert out.returncode == 2
-    assert "model.vocab_size" in out.stderr and "smaller than the tokenizer's 400 ids" in out.stderr
+    overrides = [*manifest_overrides(shards), "model.vocab_size=300"]
+    err = refused(write_config(tmp_path), tmp_path / "never", overrides, capsys)
+    assert "model.vocab_size" in err and "smaller than the tokenizer's 400 ids" in err
     assert not (tmp_path / "never" / "metrics.jsonl").exists()

@@ -1,40 +1,53 @@
-"""Resume, interrupted saves, preemption, config errors and freeze schedules, end to end."""
+"""Resume, interrupted saves, preemption and freeze schedules, end to end."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import subprocess
 import time
 
 import pytest
-from pretrain_runs import REPO, TINY_RUN, command, env, losses_by_step, records, run, summary, write_config
-from processes import kill_job, wait_for_step, workers_of
+from pretrain_runs import (
+    REPO,
+    arguments,
+    command,
+    env,
+    forbid_workers,
+    losses_by_step,
+    records,
+    run,
+    summary,
+    write_config,
+)
+from processes import kill_job, trainings_preempted_at, wait_for_step, workers_of
 
+from pretrain import pretrain_ora
 from pretrain.run_dir import RunDir, checkpoint_tag
 
 pytestmark = pytest.mark.distributed
 
-# Big enough that a step takes tens of milliseconds, so a kill lands mid-run.
-SLOWER_RUN = TINY_RUN.replace("hidden_size: 64", "hidden_size: 128").replace("num_layers: 2", "num_layers: 4") \
-    .replace("steps: 6, eval_interval: 3", "steps: 40, eval_interval: 20") \
-    .replace("save_interval: 3", "save_interval: 5")
+# TINY_RUN under the partial-frozen schedule on two processes (ZeRO-1). The freeze-schedule test reads
+# this training; the SIGKILL test kills the same command mid-run: its 60 steps (a few seconds, two
+# engine rebuilds) leave a kill after step 4 a wide margin before the end.
+PARTIAL_FROZEN = ["train.steps=60", "train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=1"]
+# A training test_consolidate.py reads too (the run cache trains it once).
+BF16_ZERO3 = ["deepspeed.zero_stage=3", "deepspeed.precision=bf16"]
+# Runs stopped by a signal or a dead rank long before their last step.
+LONG = "train.steps=1000"
 
 
-def test_sigkill_then_resume_reproduces_losses(tmp_path):
-    config = write_config(tmp_path, SLOWER_RUN)
-    overrides = ["deepspeed.zero_stage=1"]
-    reference = tmp_path / "reference"
-    run(config, reference, overrides, nproc=2)
-
+def test_sigkill_then_resume_reproduces_losses(trained_runs, tmp_path, capsys, monkeypatch):
+    reference = trained_runs.trained(PARTIAL_FROZEN, nproc=2)
+    config = write_config(tmp_path)
     interrupted = tmp_path / "interrupted"
-    proc = subprocess.Popen(command(config, interrupted, overrides, nproc=2), cwd=REPO, env=env(),
+    proc = subprocess.Popen(command(config, interrupted, PARTIAL_FROZEN, nproc=2), cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_for_step(interrupted, 12, proc)
+    wait_for_step(interrupted, 4, proc)  # step 3's checkpoint is saved before step 4 trains
     kill_job(proc)
     killed_at = max(r.step for r in records(interrupted))
-    assert killed_at < 40, "the workers trained on after their launcher was killed"
+    assert killed_at < 60, "the workers trained on after their launcher was killed"
     # The checkpoint carries the training time so far; make it large, so the resumed run's summary
     # can only be right by adding to it.
     tag = RunDir(interrupted).latest_checkpoint()
@@ -42,111 +55,88 @@ def test_sigkill_then_resume_reproduces_losses(tmp_path):
     assert state["train_time_s"] > 0
     RunDir(interrupted).write_train_state(tag, {**state, "train_time_s": 1e4})
     RunDir(interrupted).write_integrity_record(tag)
-    run(config, interrupted, overrides, nproc=2)  # the same command resumes from the latest checkpoint
+    run(config, interrupted, PARTIAL_FROZEN, nproc=2)  # the same command resumes from the latest checkpoint
 
     expected = losses_by_step(reference)
     resumed = records(interrupted)
-    assert max(r.step for r in resumed) == 40
+    assert max(r.step for r in resumed) == 60
     for r in resumed:  # every logged step, before and after the kill, bitwise equal (fp32, CPU)
         assert r.loss == expected[r.step], f"step {r.step}"
     assert summary(interrupted).final_test_loss == summary(reference).final_test_loss
     assert 1e4 < summary(interrupted).wall_time_s < 1e4 + 900 and summary(reference).wall_time_s < 900
-    assert RunDir(interrupted).checkpoint_tags() == ["step00000035", "step00000040"], "keep_last=2 prunes the rest"
+    assert RunDir(interrupted).checkpoint_tags() == ["step00000057", "step00000060"], "keep_last=2 prunes the rest"
 
-    finished = RunDir(reference).summary.read_text()
-    run(config, reference, overrides, nproc=2)  # a finished run's command again trains nothing
-    assert RunDir(reference).summary.read_text() == finished, "the finished run's summary is kept"
+    # A finished run's command again trains nothing: it returns before any worker would start.
+    monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)  # env of this process
+    forbid_workers(monkeypatch)
+    finished = RunDir(interrupted).summary.read_text()
+    assert pretrain_ora.main(arguments(config, interrupted, PARTIAL_FROZEN, nproc=2)) == 0
+    assert "finished at step 60, nothing to train" in capsys.readouterr().err
+    assert RunDir(interrupted).summary.read_text() == finished, "the finished run's summary is kept"
 
 
-def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
-    config = write_config(tmp_path)
-    overrides = ["train.steps=9", "checkpoint.keep_last=3"]
-    complete = tmp_path / "complete"
-    run(config, complete, overrides)
-    # The state a save killed while writing step 9 leaves: a partial step 9, `latest` still at 6.
-    crashed = tmp_path / "crashed"
-    shutil.copytree(complete, crashed)
+def test_interrupted_save_leaves_previous_checkpoint_loadable(trained_runs, reference, tmp_path):
+    # The state a save killed while writing the last step (6) leaves: a partial step 6, `latest` still
+    # at 3, no summary.
+    crashed = trained_runs.copy(tmp_path / "crashed")
     crashed_dir = RunDir(crashed)
-    model_file = crashed_dir.checkpoint("step00000009") / "mp_rank_00_model_states.pt"
+    model_file = crashed_dir.checkpoint("step00000006") / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
-    crashed_dir.train_state_file("step00000009").unlink()
-    crashed_dir.set_latest_checkpoint("step00000006")
-    kept = [line for line in crashed_dir.metrics.read_text().splitlines() if '"step": 7' not in line
-            and '"step": 8' not in line and '"step": 9' not in line]
+    crashed_dir.train_state_file("step00000006").unlink()
+    crashed_dir.set_latest_checkpoint("step00000003")
+    crashed_dir.summary.unlink()
+    kept = [line for line in crashed_dir.metrics.read_text().splitlines() if json.loads(line)["step"] <= 3]
     crashed_dir.metrics.write_text("\n".join(kept) + "\n")
 
-    out = run(config, crashed, overrides)
-    assert "resumed at step 6" in out.stderr
-    assert losses_by_step(crashed) == losses_by_step(complete)
-    assert crashed_dir.latest_checkpoint() == "step00000009"
+    out = run(tmp_path / "run.yaml", crashed)
+    assert "resumed at step 3" in out.stderr
+    assert losses_by_step(crashed) == losses_by_step(reference)
+    assert crashed_dir.latest_checkpoint() == "step00000006"
 
 
-def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(tmp_path):
+def test_stored_frozen_qk_that_differs_from_the_seed_is_rejected(trained_runs, tmp_path):
     import torch
 
-    config = write_config(tmp_path)
-    run_dir = tmp_path / "tampered"
-    run(config, run_dir, ["train.steps=3"])
-    path = RunDir(run_dir).checkpoint("step00000003") / "mp_rank_00_model_states.pt"
+    run_dir = trained_runs.copy(tmp_path / "tampered")
+    path = RunDir(run_dir).checkpoint("step00000006") / "mp_rank_00_model_states.pt"
     states = torch.load(path, weights_only=False)
     key = next(k for k in states["module"] if k.endswith("linear_qkv.q_weight"))
     states["module"][key] = states["module"][key] + 1e-3
     torch.save(states, path)
-    RunDir(run_dir).write_integrity_record("step00000003")  # a checkpoint saved with other Q/K, not a damaged one
-    out = run(config, run_dir, ["train.steps=6"], check=False)
+    RunDir(run_dir).write_integrity_record("step00000006")  # a checkpoint saved with other Q/K, not a damaged one
+    out = run(tmp_path / "run.yaml", run_dir, ["train.steps=9"], check=False)
     assert out.returncode != 0
     assert "differs from the one regenerated from model.seed" in out.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_and_ctrl_c_checkpoint_and_exit_zero_saying_so(tmp_path, signum):
-    config = write_config(tmp_path, SLOWER_RUN)
+    config = write_config(tmp_path)
     run_dir = tmp_path / "preempted"
-    proc = subprocess.Popen(command(config, run_dir, ["train.steps=400"]), cwd=REPO, env=env(),
+    proc = subprocess.Popen(command(config, run_dir, [LONG]), cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
     last = max(r.step for r in records(run_dir))
-    assert last < 400
+    assert last < 1000
     assert RunDir(run_dir).latest_checkpoint() == checkpoint_tag(last)
     assert summary(run_dir).preempted is True
     assert (f"interrupted at step {last}: checkpoint {RunDir(run_dir).checkpoint(checkpoint_tag(last))} saved; "
             "the same command resumes from it") in stderr
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["train.global_batch_size=12"], "train.global_batch_size"),
-    (["parallel.pipeline=2", "deepspeed.zero_stage=2"], "deepspeed.zero_stage"),
-    (["model.num_attention_heads=3"], "model.num_attention_heads"),
-    (["train.freeze_schedule=partial_frozen", "model.attention.type=vanilla"], "train.freeze_schedule"),
-    (["optimizer.lr=fast"], "optimizer.lr"),
-    (["optimizer.warmup_steps=6"], "optimizer.warmup_steps"),
-    (["train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=3"], "train.freeze_schedule"),
-])
-def test_config_error_names_key_and_starts_noworkers_of(tmp_path, overrides, key):
-    run_dir = tmp_path / "never"
-    started = time.time()
-    out = run(write_config(tmp_path), run_dir, overrides, nproc=2, check=False)
-    assert out.returncode == 2
-    assert key in out.stderr
-    assert not run_dir.exists(), "no worker may have started"
-    assert "torch.distributed" not in out.stderr and time.time() - started < 30
-
-
-def test_partial_frozen_schedule_unfreezes_at_the_right_steps(tmp_path):
-    config = write_config(tmp_path)
-    run_dir = tmp_path / "partial"
-    run(config, run_dir, ["train.steps=10", "train.freeze_schedule=partial_frozen",
-                          "deepspeed.zero_stage=1"], nproc=2)
+def test_partial_frozen_schedule_unfreezes_at_the_right_steps(trained_runs):
+    run_dir = trained_runs.trained(PARTIAL_FROZEN, nproc=2)
     trainable = {r.step: r.trainable_params for r in records(run_dir)}
     base = trainable[1]
     qk_per_layer = 2 * 64 * 64
-    expected = [base] * 5 + [base + qk_per_layer] * 3 + [base + 2 * qk_per_layer] * 2
-    assert [trainable[s] for s in range(1, 11)] == expected
+    # 50% of the 60 steps all Q/K frozen, 30% those of the first half of the layers, the last 20% none
+    expected = [base] * 30 + [base + qk_per_layer] * 18 + [base + 2 * qk_per_layer] * 12
+    assert [trainable[s] for s in range(1, 61)] == expected
     losses = losses_by_step(run_dir)
-    assert losses[10] < losses[1]
+    assert losses[60] < losses[1]
     assert summary(run_dir).frozen_params == 0
 
 
@@ -193,9 +183,9 @@ def test_consecutive_nonfinite_steps_stop_with_a_checkpoint(tmp_path):
 
 
 def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
-    config = write_config(tmp_path, SLOWER_RUN)
+    config = write_config(tmp_path)
     run_dir = tmp_path / "rank_dies"
-    proc = subprocess.Popen(command(config, run_dir, ["train.steps=400", "train.collective_timeout_s=30"], nproc=2),
+    proc = subprocess.Popen(command(config, run_dir, [LONG, "train.collective_timeout_s=30"], nproc=2),
                             cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     wait_for_step(run_dir, 3, proc)
@@ -212,59 +202,42 @@ def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
     assert time.time() - started < 90
 
 
-def test_bf16_zero3_checkpoint_resumes_with_frozen_qk_intact(tmp_path):
+def test_bf16_zero3_checkpoint_resumes_with_frozen_qk_intact(trained_runs, tmp_path):
     """Upstream DeepSpeed lost frozen weights from some bf16/ZeRO-3 checkpoints; on resume ours
     are regenerated and compared with the stored copy, so a loss or corruption would fail here."""
-    config = write_config(tmp_path)
-    run_dir = tmp_path / "bf16_zero3"
-    overrides = ["deepspeed.precision=bf16", "deepspeed.zero_stage=3"]
-    run(config, run_dir, overrides, nproc=2)
-    out = run(config, run_dir, overrides + ["train.steps=9"], nproc=2)
+    run_dir = trained_runs.copy(tmp_path / "bf16_zero3", BF16_ZERO3, nproc=2)
+    out = run(tmp_path / "run.yaml", run_dir, BF16_ZERO3 + ["train.steps=9"], nproc=2)
     assert "resumed at step 6" in out.stderr
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, 10)) and losses[9] < losses[1]
 
 
-def _saves_when_sigterm_arrives_at(rank, config_path, run_dir, overrides, sigterm_step):
-    """Train in this process; a real SIGTERM arrives during step `sigterm_step`. Returns the tags
-    DeepSpeed was asked to save, in order, and the summary."""
-    from deepspeed import DeepSpeedEngine
-
-    from pretrain.config import load_run_config, validate_for_world
-    from pretrain.runtime.trainer import Trainer
-
-    cfg = load_run_config(config_path, overrides)
-    saved = []
-    save_checkpoint = DeepSpeedEngine.save_checkpoint
-    train_step = Trainer._train_step
-
-    def counting_save(self, save_dir, tag=None, **kwargs):
-        saved.append(tag)
-        return save_checkpoint(self, save_dir, tag=tag, **kwargs)
-
-    def step_then_sigterm(self, step):
-        loss = train_step(self, step)
-        if step + 1 == sigterm_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return loss
-
-    DeepSpeedEngine.save_checkpoint, Trainer._train_step = counting_save, step_then_sigterm
-    trainer = Trainer(cfg, RunDir(run_dir), validate_for_world(cfg, 1))
-    return saved, trainer.train()
-
-
-@pytest.mark.parametrize("overrides, sigterm_step, expected", [
+# Trainings that SIGTERM interrupts during their final step: id -> (overrides, that step, the tags saved).
+PREEMPTED_ON_A_FINAL_STEP = {
     # the final step (5) is not a multiple of save_interval (3)
-    (["train.steps=5"], 5, ["step00000003", "step00000005"]),
+    "final-step": (["train.steps=5"], 5, ["step00000003", "step00000005"]),
     # early stopping stops at step 4 (an eval every step; after step 1 no eval improves by 1.0)
-    (["train.steps=9", "train.eval_interval=1", "train.early_stopping={enabled: true, patience: 3, min_delta: 1.0}"],
-     4, ["step00000003", "step00000004"]),
-], ids=["final-step", "early-stop-step"])
-def test_preemption_on_a_final_step_saves_it_once(tmp_path, overrides, sigterm_step, expected):
+    "early-stop-step": (["train.steps=9", "train.eval_interval=1",
+                         "train.early_stopping={enabled: true, patience: 3, min_delta: 1.0}"],
+                        4, ["step00000003", "step00000004"]),
+}
+
+
+@pytest.fixture(scope="module")
+def preempted_on_a_final_step(tmp_path_factory) -> dict:
+    """Each of PREEMPTED_ON_A_FINAL_STEP trained in one process: id -> (the tags saved, the summary)."""
     from distributed import run_on_ranks
 
-    config = write_config(tmp_path)
-    ((saved, result),) = run_on_ranks(_saves_when_sigterm_arrives_at, 1, str(config), str(tmp_path / "run"),
-                                      overrides, sigterm_step)
+    root = tmp_path_factory.mktemp("preempted")
+    trainings = [(str(root / name), overrides, step)
+                 for name, (overrides, step, _) in PREEMPTED_ON_A_FINAL_STEP.items()]
+    (results,) = run_on_ranks(trainings_preempted_at, 1, str(write_config(root)), trainings)
+    return dict(zip(PREEMPTED_ON_A_FINAL_STEP, results))
+
+
+@pytest.mark.parametrize("name", PREEMPTED_ON_A_FINAL_STEP)
+def test_preemption_on_a_final_step_saves_it_once(preempted_on_a_final_step, name):
+    _, sigterm_step, expected = PREEMPTED_ON_A_FINAL_STEP[name]
+    saved, result = preempted_on_a_final_step[name]
     assert saved == expected
     assert result.preempted and result.steps == sigterm_step

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from pretrain_runs import REPO, command, env, records, run, write_config
+from pretrain_runs import LAYOUTS, arguments, forbid_workers, records, run
 
 from ora_megatron.config_io import to_dict
+from pretrain import pretrain_ora
 from pretrain.checkpoint.resume_check import POLICIES, TOPOLOGY, TOPOLOGY_KEYS, UNCLASSIFIED, flatten, policy_of
 from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir
@@ -20,24 +18,22 @@ from pretrain.run_dir import RunDir
 pytestmark = pytest.mark.distributed
 
 NPROC = 2
-LAYOUT = ["deepspeed.zero_stage=1"]  # 2 ranks, ZeRO-1: model states + one optimizer file per rank
+LAYOUT = LAYOUTS["dp2-zero1"]  # 2 ranks, ZeRO-1: model states + one optimizer file per rank
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One finished run (6 steps, checkpoints at 3 and 6); tests work on copies of it."""
-    workdir = tmp_path_factory.mktemp("resume_safety")
-    config = write_config(workdir)
-    run_dir = workdir / "trained"
-    run(config, run_dir, LAYOUT, nproc=NPROC)
+@pytest.fixture
+def trained(trained_runs) -> Path:
+    """The session's finished run in LAYOUT (6 steps, checkpoints at 3 and 6): read only."""
+    run_dir = trained_runs.trained(LAYOUT, nproc=NPROC)
     assert RunDir(run_dir).checkpoint_tags() == ["step00000003", "step00000006"]
-    return config, run_dir
+    return run_dir
 
 
-def _copy(trained, tmp_path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(trained[1], copy)
-    return copy
+@pytest.fixture
+def copied(trained, trained_runs, tmp_path) -> tuple[Path, Path]:
+    """(config, run dir): this test's copy of the trained run."""
+    run_dir = trained_runs.copy(tmp_path / "run", LAYOUT, nproc=NPROC)
+    return run_dir.parent / "run.yaml", run_dir
 
 
 def _snapshot(run_dir: Path) -> dict:
@@ -51,20 +47,25 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def _check_only(config, run_dir) -> subprocess.CompletedProcess:
-    args = command(config, run_dir, LAYOUT, nproc=NPROC) + ["--check-only", "--world-size", str(NPROC)]
-    return subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+def _start_in_process(config, run_dir, overrides, capsys, monkeypatch, extra=()) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the entry's command, run in this process: it must start no worker."""
+    forbid_workers(monkeypatch)
+    code = pretrain_ora.main(arguments(config, run_dir, LAYOUT + overrides, nproc=NPROC) + list(extra))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def _refused_without_starting(config, run_dir, overrides) -> str:
+def _check_only(config, run_dir, capsys, monkeypatch) -> tuple[int, str, str]:
+    return _start_in_process(config, run_dir, [], capsys, monkeypatch, ["--check-only", "--world-size", str(NPROC)])
+
+
+def _refused_without_starting(config, run_dir, overrides, capsys, monkeypatch) -> str:
     before = _snapshot(run_dir)
-    started = time.time()
-    out = run(config, run_dir, LAYOUT + overrides, nproc=NPROC, check=False)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "torch.distributed" not in out.stderr and "Traceback" not in out.stderr
-    assert time.time() - started < 60
+    code, _, stderr = _start_in_process(config, run_dir, overrides, capsys, monkeypatch)
+    assert code == 2, stderr[-3000:]
+    assert "torch.distributed" not in stderr and "Traceback" not in stderr
     assert _snapshot(run_dir) == before, "no worker may have started"
-    return out.stderr
+    return stderr
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -74,16 +75,16 @@ def _refused_without_starting(config, run_dir, overrides) -> str:
     (["parallel.tensor=2", "deepspeed.precision=bf16"],  # a topology change alone is allowed (reshard)
      ['deepspeed.precision "fp32" → "bf16": DeepSpeed lays the optimizer state out per precision']),
 ], ids=["model", "precision-topology"])
-def test_incompatible_config_is_refused_before_any_worker(trained, tmp_path, overrides, named):
-    config, run_dir = trained[0], _copy(trained, tmp_path)
-    stderr = _refused_without_starting(config, run_dir, overrides)
+def test_incompatible_config_is_refused_before_any_worker(copied, capsys, monkeypatch, overrides, named):
+    config, run_dir = copied
+    stderr = _refused_without_starting(config, run_dir, overrides, capsys, monkeypatch)
     assert f"cannot resume {run_dir} from checkpoint step00000006 with this config" in stderr
     for change in named:
         assert change in stderr
 
 
-def test_safe_change_resumes_and_is_logged(trained, tmp_path):
-    config, run_dir = trained[0], _copy(trained, tmp_path)
+def test_safe_change_resumes_and_is_logged(copied):
+    config, run_dir = copied
     changes = ["train.steps=9", "train.micro_batch_size=2", "checkpoint.keep_last=10",
                "checkpoint.save_interval=4"]
     out = run(config, run_dir, LAYOUT + changes, nproc=NPROC)
@@ -112,8 +113,8 @@ def test_safe_change_resumes_and_is_logged(trained, tmp_path):
         assert rd.verify_checkpoint(tag) == []
 
 
-def test_truncated_latest_falls_back_to_the_previous_checkpoint(trained, tmp_path):
-    config, run_dir = trained[0], _copy(trained, tmp_path)
+def test_truncated_latest_falls_back_to_the_previous_checkpoint(trained, copied):
+    config, run_dir = copied
     rd = RunDir(run_dir)
     bad = rd.checkpoint("step00000006") / "mp_rank_00_model_states.pt"
     _truncate(bad)
@@ -121,7 +122,7 @@ def test_truncated_latest_falls_back_to_the_previous_checkpoint(trained, tmp_pat
     out = run(config, run_dir, LAYOUT, nproc=NPROC)
     assert f"warning: checkpoint step00000006 is damaged ({bad} has" in out.stderr
     assert "resumed at step 3" in out.stderr
-    expected = {r.step: r.loss for r in records(trained[1])}
+    expected = {r.step: r.loss for r in records(trained)}
     resumed = records(run_dir)[logged:]
     assert [r.step for r in resumed] == [4, 5, 6]
     for r in resumed:  # bitwise what the uninterrupted run logged (fp32, CPU)
@@ -132,8 +133,8 @@ def test_truncated_latest_falls_back_to_the_previous_checkpoint(trained, tmp_pat
     assert str(bad) in entry["skipped"]["step00000006"][0]
 
 
-def test_no_intact_checkpoint_is_refused(trained, tmp_path):
-    config, run_dir = trained[0], _copy(trained, tmp_path)
+def test_no_intact_checkpoint_is_refused(copied, capsys, monkeypatch):
+    config, run_dir = copied
     rd = RunDir(run_dir)
     truncated = rd.checkpoint("step00000006") / "mp_rank_00_model_states.pt"
     _truncate(truncated)
@@ -141,29 +142,29 @@ def test_no_intact_checkpoint_is_refused(trained, tmp_path):
     content = bytearray(flipped.read_bytes())
     content[len(content) // 2] ^= 0xFF  # same size, other content
     flipped.write_bytes(bytes(content))
-    stderr = _refused_without_starting(config, run_dir, [])
+    stderr = _refused_without_starting(config, run_dir, [], capsys, monkeypatch)
     assert f"no intact checkpoint to resume {run_dir} from" in stderr
     assert f"step00000006: {truncated} has" in stderr
     assert f"step00000003: {flipped} does not match its recorded sha256" in stderr
 
 
-def test_missing_record_is_damage_unless_the_run_predates_records(trained, tmp_path):
+def test_missing_record_is_damage_unless_the_run_predates_records(copied, capsys, monkeypatch):
     """--check-only reports the decision and writes nothing."""
-    config, run_dir = trained[0], _copy(trained, tmp_path)
+    config, run_dir = copied
     rd = RunDir(run_dir)
     rd.integrity_record_file("step00000006").unlink()  # an older checkpoint has one: this code wrote it
     before = _snapshot(run_dir)
-    out = _check_only(config, run_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"step00000006 is damaged ({rd.integrity_record_file('step00000006')} is missing)" in out.stderr
-    assert "resumes from step00000003" in out.stdout
+    code, stdout, stderr = _check_only(config, run_dir, capsys, monkeypatch)
+    assert code == 0, stderr[-3000:]
+    assert f"step00000006 is damaged ({rd.integrity_record_file('step00000006')} is missing)" in stderr
+    assert "resumes from step00000003" in stdout
     assert _snapshot(run_dir) == before
 
     rd.integrity_record_file("step00000003").unlink()  # no record anywhere: written before records existed
-    out = _check_only(config, run_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "checkpoint step00000006 has no integrity record" in out.stderr and "damaged" not in out.stderr
-    assert "resumes from step00000006" in out.stdout
+    code, stdout, stderr = _check_only(config, run_dir, capsys, monkeypatch)
+    assert code == 0, stderr[-3000:]
+    assert "checkpoint step00000006 has no integrity record" in stderr and "damaged" not in stderr
+    assert "resumes from step00000006" in stdout
 
 
 def test_every_config_key_has_an_explicit_policy():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pretrain_runs import REPO, command, env, records, run, summary, write_config
+from pretrain_runs import REPO, arguments, command, env, forbid_workers, records, summary, write_config
 from processes import workers_of
 
 from pretrain import pretrain_ora
@@ -130,7 +130,7 @@ def test_second_job_exits_2_naming_the_holder_and_a_killed_holder_does_not_block
 
 
 @pytest.mark.distributed
-def test_the_same_two_process_command_started_twice_trains_once(tmp_path):
+def test_the_same_two_process_command_started_twice_trains_once(tmp_path, capsys, monkeypatch):
     config, run_dir = write_config(tmp_path), tmp_path / "run"
     # Long enough to outlive the second start; stopped by SIGTERM (checkpoint, exit 0) once it was refused.
     overrides = ["train.steps=5000", "train.eval_interval=5000", "checkpoint.save_interval=5000"]
@@ -148,11 +148,14 @@ def test_the_same_two_process_command_started_twice_trains_once(tmp_path):
         for pid in workers:  # handed down by the launcher: held while any of them lives
             assert os.readlink(f"/proc/{pid}/fd/0") == str(RunDir(run_dir).lock_file)
 
+        # The second start, in this process: refused before it would start a worker.
+        monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)  # env of this process
+        forbid_workers(monkeypatch)
         started = time.time()
-        second = run(config, run_dir, overrides, nproc=2, check=False, timeout=180)
-        assert second.returncode == 2, second.stderr[-3000:]
-        assert f"run dir {run_dir} is in use by pid {first.pid} on " in second.stderr
-        assert "pretrain_ora.py" in second.stderr.splitlines()[-1]  # the holder's command
+        assert pretrain_ora.main(arguments(config, run_dir, overrides, nproc=2)) == 2
+        err = capsys.readouterr().err
+        assert f"run dir {run_dir} is in use by pid {first.pid} on " in err
+        assert "pretrain_ora.py" in err.splitlines()[-1]  # the holder's command
         assert time.time() - started < 120 and first.poll() is None
 
         os.kill(workers[0], signal.SIGTERM)  # every rank agrees to stop after the current step

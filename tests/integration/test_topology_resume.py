@@ -17,16 +17,18 @@ import subprocess
 
 import pytest
 import torch
-from pretrain_runs import REPO, command, env, losses_by_step, records, run, write_config
+from pretrain_runs import LAYOUTS, REPO, arguments, command, env, forbid_workers, losses_by_step, records, write_config
 
+from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.resume_check import ResumeRefused
 from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed
 
-ZERO1 = ["deepspeed.zero_stage=1"]
+ZERO1 = LAYOUTS["dp2-zero1"]
 BF16 = ["deepspeed.precision=bf16"]
+
 
 def launch(run_dir, overrides, nproc, check=True) -> subprocess.CompletedProcess:
     """pretrain_ora.py as a user runs it; the config is the module's TINY_RUN."""
@@ -81,6 +83,8 @@ def assert_resumed_like(resumed, stderr: str, reference, after: int, note: str, 
 
 
 # ---------------------------------------------------------------------------- runs shared by the tests
+# The uninterrupted runs are copies of the session's (conftest.py): converted_states writes the
+# conversion of their step 6 beside it, and the session's runs are only read.
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     path = tmp_path_factory.mktemp("topology_resume")
@@ -89,22 +93,27 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dp2(root):
+def dp2(root, trained_runs):
     """Uninterrupted, 2 processes: DP2/TP1/PP1/ZeRO-1 (checkpoints at 3 and 6)."""
-    run(root / "run.yaml", root / "dp2", ZERO1, nproc=2)
-    return root / "dp2"
+    return trained_runs.copy(root / "dp2", ZERO1, nproc=2)
 
 
 @pytest.fixture(scope="module")
-def dp1(root):
+def dp1(root, trained_runs):
     """Uninterrupted, 1 process: DP1/TP1/PP1/ZeRO-1."""
-    run(root / "run.yaml", root / "dp1", ZERO1, nproc=1)
-    return root / "dp1"
+    return trained_runs.copy(root / "dp1", ZERO1, nproc=1)
 
 
 @pytest.fixture(scope="module")
 def dp2_to_dp1(root, dp2):
     return resume(dp2, root / "dp2_to_dp1", 3, ZERO1, nproc=1)
+
+
+@pytest.fixture(scope="module")
+def zero1_to_zero3(root, dp2_to_dp1):
+    """dp2's step 3 resumed as DP2/TP1/PP1/ZeRO-3, from dp2_to_dp1's copy of it: that holds the
+    conversion dp2_to_dp1's resume made, which this resume (another target) reuses."""
+    return resume(dp2_to_dp1[0], root / "zero1_to_zero3", 3, ["deepspeed.zero_stage=3"], nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +154,14 @@ def test_pp2_back_to_pp1_and_zero0(dp1, pp2_to_pp1):
                                              "with DP1/TP1/PP1/ZeRO-0")
 
 
-def test_zero1_to_zero3(root, dp2):
-    resumed = resume(dp2, root / "zero1_to_zero3", 3, ["deepspeed.zero_stage=3"], nproc=2)
-    assert_resumed_like(*resumed, dp2, 3, "written with DP2/TP1/PP1/ZeRO-1, resuming with DP2/TP1/PP1/ZeRO-3")
+def test_zero1_to_zero3(dp2, zero1_to_zero3):
+    assert_resumed_like(*zero1_to_zero3, dp2, 3, "written with DP2/TP1/PP1/ZeRO-1, resuming with DP2/TP1/PP1/ZeRO-3")
 
 
 @pytest.fixture(scope="module")
-def bf16_zero0(root):
+def bf16_zero0(root, trained_runs):
     """Uninterrupted, 1 process, bf16 without ZeRO: DeepSpeed's unfused optimizer steps fp32 copies."""
-    run(root / "run.yaml", root / "bf16_zero0", BF16 + ["deepspeed.zero_stage=0"], nproc=1)
-    return root / "bf16_zero0"
+    return trained_runs.copy(root / "bf16_zero0", BF16 + ["deepspeed.zero_stage=0"], nproc=1)
 
 
 def test_bf16_zero0_to_zero1_and_back(root, bf16_zero0):
@@ -176,11 +183,12 @@ def test_bf16_zero0_to_zero1_and_back(root, bf16_zero0):
 
 
 # ---------------------------------------------------------------------------- records and refusals
-def test_conversion_is_cached(root, dp2_to_dp1):
-    again = branch(dp2_to_dp1[0], root / "dp2_to_dp1_again", 3)  # its step 3 holds the conversion
-    out = launch(again, ZERO1 + ["train.steps=4"], nproc=1)
-    assert "written with DP2/TP1/PP1/ZeRO-1, resuming with DP1/TP1/PP1/ZeRO-1: using its topology-free " \
-           "conversion cached in" in out.stderr
+def test_conversion_is_cached(dp2_to_dp1, zero1_to_zero3):
+    """The first resume of dp2's step 3 converted it; the next one, into another topology, uses that
+    conversion (test_zero1_to_zero3 checks what it trains)."""
+    assert "written with DP2/TP1/PP1/ZeRO-1, resuming with DP1/TP1/PP1/ZeRO-1: converted once to" in dp2_to_dp1[1]
+    assert "written with DP2/TP1/PP1/ZeRO-1, resuming with DP2/TP1/PP1/ZeRO-3: using its topology-free " \
+           "conversion cached in" in zero1_to_zero3[1]
 
 
 def test_recorded_topologies_match_deepspeeds_record(dp2, dp2_to_dp1, pp2_resumed, pp2_to_pp1):
@@ -197,12 +205,14 @@ def test_recorded_topologies_match_deepspeeds_record(dp2, dp2_to_dp1, pp2_resume
     assert seen == {"DP2/TP1/PP1/ZeRO-1", "DP1/TP1/PP1/ZeRO-1", "DP1/TP1/PP2/ZeRO-1", "DP1/TP1/PP1/ZeRO-0"}
 
 
-def test_global_batch_change_is_refused_before_workers_start(dp2):
+def test_global_batch_change_is_refused_before_workers_start(dp2, capsys, monkeypatch):
     """A step reads samples [s·G, (s+1)·G): another global batch would skip or repeat data. (PP>1 with
     ZeRO-2/3 is refused by config validation: test_pretrain_faults.py.)"""
-    out = launch(dp2, ZERO1 + ["train.global_batch_size=16"], nproc=1, check=False)
-    assert out.returncode == 2 and "train.global_batch_size" in out.stderr and "Traceback" not in out.stderr
-    assert "run dir:" not in out.stderr, "no worker started"
+    forbid_workers(monkeypatch)
+    code = pretrain_ora.main(arguments(dp2.parent / "run.yaml", dp2, ZERO1 + ["train.global_batch_size=16"], nproc=1))
+    stderr = capsys.readouterr().err
+    assert code == 2 and "train.global_batch_size" in stderr and "Traceback" not in stderr
+    assert "run dir:" not in stderr, "no worker started"
 
 
 def test_zero0_checkpoint_without_parameter_record_is_refused(root, pp2_to_pp1):

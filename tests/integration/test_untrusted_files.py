@@ -18,6 +18,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from pretrain_runs import LAYOUTS
 
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain import pretrain_ora
@@ -31,6 +32,7 @@ from pretrain.runtime.ds_internals import UnsafeCheckpointFile, safe_load
 from pretrain.runtime.engine import build_engine
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+ZERO1 = LAYOUTS["dp2-zero1"]  # on 2 processes: DeepSpeed's partitioned optimizer files, one per rank
 ZERO_OPTIMIZER_STATES = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
@@ -76,9 +78,9 @@ def test_launcher_refuses_to_resume(reference, tmp_path, marker, capsys):
 
 
 # ---------------------------------------------------------------------------- consolidation, export, conversion
-def test_consolidation_refuses(layout_runs, tmp_path, marker):
+def test_consolidation_refuses(trained_runs, tmp_path, marker):
     """ZeRO-1: DeepSpeed's zero_to_fp32 unpickles the optimizer files itself; they are checked first."""
-    run_dir = received(layout_runs["dp2-zero1"], tmp_path)
+    run_dir = received(trained_runs.trained(ZERO1, nproc=2), tmp_path)
     path = plant(run_dir, ZERO_OPTIMIZER_STATES, marker)
     with pytest.raises(UnsafeCheckpointFile, match=path):
         consolidated_state_dict(run_dir.read_config(), run_dir.checkpoint(run_dir.latest_checkpoint()))
@@ -94,10 +96,11 @@ def test_export_refuses(reference, tmp_path, marker, capsys):
     assert not out.exists() and not out.with_name("export.partial").exists()
 
 
-@pytest.mark.parametrize("run, name", [("reference", MODEL_STATES),  # ZeRO-0: torch's optimizer state
-                                       ("dp2-zero1", ZERO_OPTIMIZER_STATES)])  # DeepSpeed's extraction
-def test_topology_conversion_refuses(request, layout_runs, tmp_path, marker, run, name):
-    run_dir = received(request.getfixturevalue("reference") if run == "reference" else layout_runs[run], tmp_path)
+@pytest.mark.parametrize("overrides, nproc, name", [([], 1, MODEL_STATES),  # ZeRO-0: torch's optimizer state
+                                                   (ZERO1, 2, ZERO_OPTIMIZER_STATES)],  # DeepSpeed's extraction
+                         ids=["reference", "dp2-zero1"])
+def test_topology_conversion_refuses(trained_runs, tmp_path, marker, overrides, nproc, name):
+    run_dir = received(trained_runs.trained(overrides, nproc=nproc), tmp_path)
     path = plant(run_dir, name, marker)
     tag = run_dir.latest_checkpoint()
     with pytest.raises(UnsafeCheckpointFile, match=path):

@@ -42,6 +42,7 @@ def test_old_name_runs_the_new_module(old, monkeypatch, capsys):
     assert f"note: {old} is now {new}" in out.err and "usage:" in out.out
 
 
+@pytest.mark.slow
 def test_a_moved_package_runs_its_main_as_a_command():
     out = subprocess.run([sys.executable, "-m", "pretrain.report", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pretrain import pretrain_ora
 from pretrain.config import REPO
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
@@ -48,12 +49,26 @@ def write_config(directory: Path, text: str = TINY_RUN) -> Path:
     return path
 
 
-def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[str]:
-    args = [sys.executable, "-m", ENTRY_MODULE, "--config", str(config), "--run-dir", str(run_dir),
-            "--nproc-per-node", str(nproc)]
+def arguments(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[str]:
+    """The entry's arguments: `pretrain_ora.main(arguments(...))` runs it in this process (see forbid_workers)."""
+    args = ["--config", str(config), "--run-dir", str(run_dir), "--nproc-per-node", str(nproc)]
     for item in overrides:
         args += ["--set", item]
     return args
+
+
+def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", ENTRY_MODULE, *arguments(config, run_dir, overrides, nproc)]
+
+
+def forbid_workers(monkeypatch) -> None:
+    """Fail the test if the entry, run in this process, starts a worker (torchrun's or its own): for
+    refusals and --check-only, which must not start one."""
+    def started(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(pretrain_ora, "_launch_local", started)
+    monkeypatch.setattr(pretrain_ora, "worker", started)
 
 
 def env() -> dict:

@@ -1,5 +1,6 @@
 """The processes of a training job as /proc shows them: its workers, whether they live, and a kill
-as the OOM killer or a machine failure would deliver it."""
+as the OOM killer or a machine failure would deliver it; and trainings that a SIGTERM interrupts at
+a chosen step."""
 
 from __future__ import annotations
 
@@ -57,3 +58,37 @@ def _parent(pid: int) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def trainings_preempted_at(rank: int, config_path: str, trainings: list) -> list:
+    """Train each of `trainings` — (run dir, overrides, step) — in this process (a rank of
+    distributed.run_on_ranks), a real SIGTERM arriving during `step`. Returns, for each, the tags
+    DeepSpeed was asked to save, in order, and the summary. One process trains them all: its start
+    (imports, process group) is most of a tiny training's time."""
+    from deepspeed import DeepSpeedEngine
+
+    from pretrain.config import load_run_config, validate_for_world
+    from pretrain.run_dir import RunDir
+    from pretrain.runtime.trainer import Trainer
+
+    saved, sigterm_step = [], None  # the training's under way (the patches read them when called)
+    save_checkpoint, train_step = DeepSpeedEngine.save_checkpoint, Trainer._train_step
+
+    def counting_save(self, save_dir, tag=None, **kwargs):
+        saved.append(tag)
+        return save_checkpoint(self, save_dir, tag=tag, **kwargs)
+
+    def step_then_sigterm(self, step):
+        loss = train_step(self, step)
+        if step + 1 == sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    DeepSpeedEngine.save_checkpoint, Trainer._train_step = counting_save, step_then_sigterm
+    results = []
+    for run_dir, overrides, step in trainings:
+        saved, sigterm_step = [], step
+        cfg = load_run_config(config_path, overrides)
+        summary = Trainer(cfg, RunDir(run_dir), validate_for_world(cfg, 1)).train()
+        results.append((saved, summary))
+    return results

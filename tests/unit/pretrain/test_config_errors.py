@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from pretrain_runs import write_config
+from pretrain_runs import arguments, forbid_workers, write_config
 
 from pretrain import pretrain_ora
 
@@ -43,6 +43,25 @@ def test_invalid_value_is_refused_naming_the_key(config, tmp_path, capsys, overr
     err = capsys.readouterr().err
     assert f"error: config error at '{key}': " in err and message in err, err
     assert "typing." not in err and "Traceback" not in err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.global_batch_size=12"], "train.global_batch_size"),
+    (["parallel.pipeline=2", "deepspeed.zero_stage=2"], "deepspeed.zero_stage"),
+    (["model.num_attention_heads=3"], "model.num_attention_heads"),
+    (["train.freeze_schedule=partial_frozen", "model.attention.type=vanilla"], "train.freeze_schedule"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["optimizer.warmup_steps=6"], "optimizer.warmup_steps"),
+    (["train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=3"], "train.freeze_schedule"),
+])
+def test_config_error_names_key_and_starts_no_worker(config, tmp_path, capsys, monkeypatch, overrides, key):
+    """A two-process run's command, refused before it would start its workers."""
+    forbid_workers(monkeypatch)
+    run_dir = tmp_path / "never"
+    assert pretrain_ora.main(arguments(config, run_dir, overrides, nproc=2)) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err
     assert not run_dir.exists()
 
 

@@ -1,13 +1,15 @@
 """launch/: the one entry (launch/pretrain_ora.sh) and the SLURM job around it.
 
-Validation before anything starts, the printed deepspeed command, and runs through the scripts:
-one node with two processes; two localhost "nodes" under stand-in SLURM commands, once as the
-sbatch job (one launcher per node, no ssh) and once through DeepSpeed's SLURM backend; and the
+Validation before anything starts and the printed deepspeed command, through the launcher's main in
+this process (a few through the script too, for what the script itself does), and runs through the
+scripts: one node with two processes; two localhost "nodes" under stand-in SLURM commands, once as
+the sbatch job (one launcher per node, no ssh) and once through DeepSpeed's SLURM backend; and the
 script as DeepSpeed's own worker (`deepspeed --no_python`).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from distributed import free_port
 from pretrain_runs import REPO, env, losses_by_step, write_config
 
 from ora_megatron.config_io import ConfigError
+from pretrain.launch.launcher import main
 from pretrain.pretrain_ora import adopt_scheduler_ranks
 
 LAUNCH = REPO / "launch" / "pretrain_ora.sh"
@@ -112,52 +115,102 @@ REFUSED = {
 }
 
 
-def assert_refused(tmp_path: Path, variables: dict, args: list, message: str) -> None:
-    """Status 2, `message` on stderr, no run dir, no deepspeed started."""
+@pytest.fixture
+def in_process(monkeypatch, tmp_path, capsys):
+    """launch(args, variables) -> (status, stdout, stderr): launcher.main in this process, as the script
+    starts it from tmp_path (ORA_CALLER_DIR), with no launch variables but `variables`. What main
+    changes is undone afterwards (the directory; the environment: its NCCL defaults, the config
+    check's offline variables); exec'ing deepspeed fails the test."""
+    saved = dict(os.environ)
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ORA_CALLER_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+    def exec_deepspeed(*command):
+        raise AssertionError(f"deepspeed was started: {command}")
+
+    monkeypatch.setattr(os, "execvpe", exec_deepspeed)
+
+    def launch(args: list, variables: dict) -> tuple[int, str, str]:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        status = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    yield launch
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def script(tmp_path):
+    """launch(args, variables) -> (status, stdout, stderr): launch/pretrain_ora.sh run from tmp_path with
+    no launch variables but `variables`, and a stand-in deepspeed whose start fails the test."""
     bin_dir, mark = recording_deepspeed(tmp_path)
+
+    def launch(args: list, variables: dict) -> tuple[int, str, str]:
+        out = run_script([LAUNCH, *args], launch_env(bin_dir, **variables), cwd=tmp_path)
+        assert not mark.exists(), "deepspeed was started"
+        return out.returncode, out.stdout, out.stderr
+
+    return launch
+
+
+def assert_refused(launch, tmp_path: Path, variables: dict, args: list, message: str) -> None:
+    """Status 2, `message` on stderr, no run dir (and no deepspeed started: `launch` checks that)."""
     run_dir = tmp_path / "run"
-    out = run_script([LAUNCH, write_config(tmp_path), *args], launch_env(bin_dir, RUN_DIR=str(run_dir), **variables),
-                     cwd=tmp_path)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert message in out.stderr
-    assert not run_dir.exists() and not mark.exists()
+    status, _, stderr = launch([write_config(tmp_path), *args], {"RUN_DIR": str(run_dir), **variables})
+    assert status == 2, stderr[-2000:]
+    assert message in stderr
+    assert not run_dir.exists()
     assert_no_shell_read_hostile(tmp_path)
 
 
-@pytest.mark.parametrize("case", REFUSED)
-def test_script_refuses_before_launching(tmp_path, case):
+def refused_case(tmp_path: Path, case: str) -> tuple[dict, list, str]:
+    """REFUSED[case] as (variables, arguments, message), its hostfile written to tmp_path."""
     variables, hostfile_text, args, message = REFUSED[case]
     if hostfile_text is not None:
         variables = {**variables, "HOSTFILE": str(hostfile(tmp_path, hostfile_text))}
-    assert_refused(tmp_path, variables, args, message)
+    return variables, args, message
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_launcher_refuses_before_launching(in_process, tmp_path, case):
+    assert_refused(in_process, tmp_path, *refused_case(tmp_path, case))
+
+
+# The script's own part: a variable and an argument that any shell would run reach the launcher as typed.
+@pytest.mark.parametrize("case", ["a count that is shell syntax", "pdsh would hand an argument to the remote shell"])
+def test_script_refuses_before_launching(script, tmp_path, case):
+    assert_refused(script, tmp_path, *refused_case(tmp_path, case))
 
 
 @pytest.mark.slow
-def test_data_manifest_path_reaches_the_config_as_typed(tmp_path):
-    # A quote, a colon and a space (YAML would read `it's: m.json` as a mapping): the config check
-    # opens the manifest and names it, missing.
-    assert_refused(tmp_path, {"DATA_MANIFEST": "it's: m.json"}, ["--set", "data.mock=false"],
+def test_data_manifest_path_reaches_the_config_as_typed(script, tmp_path):
+    # A quote, a colon and a space (YAML would read `it's: m.json` as a mapping), relative to where the
+    # script was started: the config check opens the manifest and names it, missing.
+    assert_refused(script, tmp_path, {"DATA_MANIFEST": "it's: m.json"}, ["--set", "data.mock=false"],
                    f"{tmp_path}/it's: m.json")
 
 
 # --- DRY_RUN: the resolved command, nothing started -------------------------------------------------
 
-def dry_run(tmp_path: Path, args: list = (), **variables: str) -> tuple[list[str], str]:
+def dry_run(launch, tmp_path: Path, args: list = (), **variables: str) -> tuple[list[str], str]:
     """(the printed command's words, stderr) of a DRY_RUN=1 launch that must start and write nothing."""
-    bin_dir, mark = recording_deepspeed(tmp_path)
     run_dir = tmp_path / "run"
-    out = run_script([LAUNCH, write_config(tmp_path), *args],
-                     launch_env(bin_dir, DRY_RUN="1", RUN_DIR=str(run_dir), **variables), cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert not run_dir.exists() and not mark.exists()
-    return printed_command(out.stdout), out.stderr
+    status, stdout, stderr = launch([write_config(tmp_path), *args],
+                                    {"DRY_RUN": "1", "RUN_DIR": str(run_dir), **variables})
+    assert status == 0, stderr[-2000:]
+    assert not run_dir.exists()
+    return printed_command(stdout), stderr
 
 
-@pytest.mark.slow
-def test_dry_run_pdsh_hostfile_command_and_environment_file(tmp_path):
+def test_dry_run_pdsh_hostfile_command_and_environment_file(in_process, tmp_path):
     hosts = hostfile(tmp_path, "node0 slots=2  # first\nnode1 slots=2\nspare slots=2\n")
-    tokens, stderr = dry_run(tmp_path, ["--set", "train.micro_batch_size=2"], NNODES="2", HOSTFILE=str(hosts),
-                             MASTER_PORT="29511", NCCL_DEBUG="INFO")
+    tokens, stderr = dry_run(in_process, tmp_path, ["--set", "train.micro_batch_size=2"], NNODES="2",
+                             HOSTFILE=str(hosts), MASTER_PORT="29511", NCCL_DEBUG="INFO")
     run_dir = tmp_path / "run"
     assert tokens[:3] == ["cd", str(REPO), "&&"]
     assert "NCCL_DEBUG=INFO" in tokens and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in tokens
@@ -170,17 +223,24 @@ def test_dry_run_pdsh_hostfile_command_and_environment_file(tmp_path):
     assert "\nNCCL_DEBUG=INFO\nTORCH_NCCL_ASYNC_ERROR_HANDLING=1\n" in stderr
 
 
-@pytest.mark.slow
-def test_dry_run_per_node_command_with_variables_as_overrides(tmp_path):
+def test_dry_run_per_node_command_with_variables_as_overrides(in_process, tmp_path):
     hosts = hostfile(tmp_path, TWO_HOSTS)
-    tokens, stderr = dry_run(tmp_path, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", HOSTFILE=str(hosts),
-                             TP="1", PP="1", ZERO_STAGE="1", PRECISION="fp32")
+    tokens, stderr = dry_run(in_process, tmp_path, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3",
+                             HOSTFILE=str(hosts), TP="1", PP="1", ZERO_STAGE="1", PRECISION="fp32")
     assert contains(tokens, "--hostfile", str(hosts), "--num_nodes", "2", "--num_gpus", "1", "--no_ssh",
                     "--node_rank", "1", "--master_addr", "10.1.2.3", "--master_port", "29500")
     for override in ("parallel.tensor=1", "parallel.pipeline=1", "deepspeed.zero_stage=1", "deepspeed.precision=fp32"):
         assert contains(tokens, "--set", override)
     assert not any(t.startswith("DS_ENV_FILE=") for t in tokens) and "would write" not in stderr
 
+
+
+def test_dry_run_slurm_backend_runs_the_entry_file(in_process, tmp_path):
+    """DeepSpeed's SLURM backend runs `python -u SCRIPT` on every node: it has no --module."""
+    tokens, _ = dry_run(in_process, tmp_path, NNODES="2", LAUNCHER="slurm", MASTER_ADDR="127.0.0.1",
+                        HOSTFILE=str(hostfile(tmp_path, TWO_HOSTS)))
+    assert contains(tokens, "--launcher", "slurm", "--no_ssh_check", "pretrain/pretrain_ora.py", "--config")
+    assert "--module" not in tokens
 
 # --- runs through the scripts ---------------------------------------------------------------------
 
@@ -189,11 +249,11 @@ def test_one_node_two_processes_pass_arguments_and_paths_literally(tmp_path):
     write_config(tmp_path)
     run_dir_name = f"run {HOSTILE}"
     # Relative config and run dir: resolved from where the script was started (it changes directory).
-    out = run_script([LAUNCH, "run.yaml", "--set", f"logging.wandb_project={HOSTILE}"],
+    out = run_script([LAUNCH, "run.yaml", "--set", f"logging.wandb_project={HOSTILE}", "--set", "train.steps=3"],
                      launch_env(GPUS_PER_NODE="2", RUN_DIR=run_dir_name), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / run_dir_name
-    assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4, 5, 6]
+    assert sorted(losses_by_step(run_dir)) == [1, 2, 3]
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["logging"]["wandb_project"] == HOSTILE
     # The printed command, read back as a shell would, holds the arguments as typed.
     assert contains(printed_command(out.stdout), "deepspeed", "--num_gpus", "2", "--master_port", "29500")
@@ -324,12 +384,8 @@ def test_ranks_from_the_scheduler_that_started_them():
         adopt_scheduler_ranks({"ORA_RANKS_FROM": "openmpi", "OMPI_COMM_WORLD_SIZE": "2"})
 
 
-def test_only_run_configs_are_offered_as_presets(monkeypatch, capsys):
+def test_only_run_configs_are_offered_as_presets(in_process):
     """What the presets inherit (configs/shared/) is not a preset: the launcher neither offers nor takes it."""
-    from pretrain.launch.launcher import main
-
-    monkeypatch.chdir(REPO)
-    for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    assert main(["paper_common"]) == 2
-    assert "'paper_common' is neither a preset (base large small tiny) nor a YAML file" in capsys.readouterr().err
+    status, _, stderr = in_process(["paper_common"], {})
+    assert status == 2
+    assert "'paper_common' is neither a preset (base large small tiny) nor a YAML file" in stderr

@@ -186,8 +186,12 @@ def test_emitted_slurm_script_passes_shellcheck_and_keeps_every_argument(tmp_pat
 
 
 @pytest.fixture
-def one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def training_environment(monkeypatch):
+    """The runs an in-process sweep starts get what every training the tests start gets
+    (pretrain_runs.env): one thread, and the virtualenv's tools first on PATH (DeepSpeed builds its
+    shared-memory op with the first ninja there; another ninja version would rebuild it)."""
+    for name in ("OMP_NUM_THREADS", "PATH"):
+        monkeypatch.setenv(name, env()[name])
 
 
 def log_sizes(out: Path) -> dict:
@@ -195,7 +199,7 @@ def log_sizes(out: Path) -> dict:
 
 
 @pytest.mark.distributed
-def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, one_thread):
+def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, training_environment):
     spec, out = write_spec(tmp_path, {"ora": arm("ora"), "broken": arm("ora", **BROKEN)}), tmp_path / "out"
 
     assert main(sweep_args(spec, out, "--jobs", "2")) == 1  # one run failed
@@ -231,16 +235,19 @@ def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, one
 
 
 @pytest.mark.distributed
-def test_interrupted_sweep_resumes_its_run_from_the_checkpoint(tmp_path, one_thread):
-    steps = 30  # with a save every 3 steps, about a second of training left when the first checkpoint appears
+def test_interrupted_sweep_resumes_its_run_from_the_checkpoint(tmp_path, training_environment):
+    # No checkpoint but the one the run saves when it is stopped; the signal comes at its first
+    # logged step, with about a second of training left.
+    steps = 40
     spec = write_spec(tmp_path, {"ora": arm("ora")}, scale_set={
-        "train.steps": steps, "train.eval_interval": steps, "checkpoint.save_interval": 3})
+        "train.steps": steps, "train.eval_interval": steps, "checkpoint.save_interval": steps})
     out = tmp_path / "out"
     run_dir = RunDir(out / "ora" / "seed1")
     process = subprocess.Popen([sys.executable, "-m", "pretrain.research.sweep", *sweep_args(spec, out)], cwd=REPO,
                                env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
-    while run_dir.latest_checkpoint() is None and process.poll() is None and time.time() < deadline:
+    while not run_dir.read_records("train"):
+        assert process.poll() is None and time.time() < deadline, "the run did not start training"
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=120)[0]
@@ -258,7 +265,7 @@ def test_interrupted_sweep_resumes_its_run_from_the_checkpoint(tmp_path, one_thr
 
 
 @pytest.mark.distributed
-def test_slurm_task_runs_its_run_through_the_launch_script(tmp_path, monkeypatch, capsys, one_thread):
+def test_slurm_task_runs_its_run_through_the_launch_script(tmp_path, monkeypatch, capsys, training_environment):
     spec, out = write_spec(tmp_path, {"a": arm("vanilla"), "b": arm("ora")}), tmp_path / "out"
     # Stands in for launch/pretrain_ora.sh: the same interface (CONFIG --set ..., RUN_DIR in the environment).
     launcher = tmp_path / "pretrain_ora.sh"

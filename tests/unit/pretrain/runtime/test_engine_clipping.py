@@ -7,18 +7,12 @@ import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from ora_megatron.model_config import ModelConfig
-from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import OptimizerConfig, RunConfig, TrainConfig
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import lm_loss
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    init_distributed(1, 1, backend="gloo")
-    yield
-    destroy_distributed()
+pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clipping", "not-clipping"])

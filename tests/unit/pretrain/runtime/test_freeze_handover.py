@@ -8,19 +8,13 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import AttentionConfig, ModelConfig
-from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
 from pretrain.runtime.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import lm_loss
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    init_distributed(1, 1, backend="gloo")
-    yield
-    destroy_distributed()
+pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank
 
 
 def _config(zero_stage: int, precision: str) -> RunConfig:

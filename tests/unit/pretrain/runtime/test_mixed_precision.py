@@ -6,17 +6,11 @@ import pytest
 import torch
 
 from ora_megatron.model_config import ModelConfig
-from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.config import DeepSpeedConfig, RunConfig, TrainConfig
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import lm_loss
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    init_distributed(1, 1, backend="gloo")
-    yield
-    destroy_distributed()
+pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank
 
 
 def _losses(zero_stage: int, steps: int = 8) -> list[float]:

@@ -1,0 +1,131 @@
+"""Evaluator: validation every eval_interval steps and at the last step, on the same fixed batches;
+early stopping after `patience` evaluations without an improvement of min_delta; the test loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from model_fixtures import SEQ
+from one_process import tiny_run
+
+from pretrain.checkpoint.checkpointer import TrainState
+from pretrain.config import EarlyStopping, TrainConfig
+from pretrain.run_dir import EvalRecord, RunDir
+from pretrain.runtime.data import BatchOrder, StepBatches
+from pretrain.runtime.engine import build_engine
+from pretrain.runtime.evaluator import Evaluator
+from pretrain.runtime.loss import batch_loss
+from pretrain.runtime.metrics import MetricsLogger
+
+GRAD_ACCUM = 2
+BATCHES = {"micro_batch_size": 1, "global_batch_size": GRAD_ACCUM}  # one data-parallel rank
+
+
+pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return build_engine(tiny_run("vanilla", train=TrainConfig(**BATCHES)), grad_accum=GRAD_ACCUM)
+
+
+def split_samples(seed: int, count: int = 16) -> list[dict]:
+    """`count` samples of random tokens: a stand-in for a split's GPTDataset."""
+    tokens = torch.randint(0, 100, (count, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(SEQ)} for t in tokens]
+
+
+def evaluator(tmp_path, *, splits=("train", "valid", "test"), **train) -> Evaluator:
+    """An Evaluator over `splits` (the others absent) logging to tmp_path's metrics.jsonl."""
+    train = {**BATCHES, "steps": 10, "eval_interval": 3, "eval_iters": 2, **train}
+    cfg = tiny_run("vanilla", train=TrainConfig(**train))
+    datasets = {split: split_samples(seed) if split in splits else None
+                for seed, split in enumerate(("train", "valid", "test"))}
+    batches = StepBatches(datasets, BatchOrder(micro_batch_size=1, grad_accum=GRAD_ACCUM, dp_rank=0, dp_size=1))
+    return Evaluator(cfg, batches, MetricsLogger(RunDir(tmp_path), cfg, {}, start_step=0))
+
+
+def scripted(evaluator: Evaluator, monkeypatch, losses) -> None:
+    """Make the evaluator's validation losses `losses`, in order."""
+    pending = iter(losses)
+    monkeypatch.setattr(evaluator, "loss", lambda eng, split: next(pending))
+
+
+def records(tmp_path, split: str) -> list[EvalRecord]:
+    return RunDir(tmp_path).read_records(split)
+
+
+def test_loss_is_the_mean_over_eval_iters_fixed_batches(eng, tmp_path):
+    """eval_iters global batches of the split, the same at every evaluation whatever the step;
+    without a gradient, and the engine is left in training mode."""
+    ev = evaluator(tmp_path)
+    with torch.no_grad():
+        eng.ds_engine.eval()
+        expected = torch.stack([batch_loss(eng.ds_engine, ev.batches.micro_batch("valid", i, m))
+                                for i in range(2) for m in range(GRAD_ACCUM)]).mean().item()
+    eng.ds_engine.train()
+
+    for step in (3, 6):
+        assert ev.after_step(eng, TrainState(step=step)) is False
+    assert eng.ds_engine.training and all(p.grad is None for p in eng.module.parameters())
+    assert [r.loss for r in records(tmp_path, "valid")] == [pytest.approx(expected, rel=1e-6)] * 2
+    assert ev.last_valid_loss == pytest.approx(expected, rel=1e-6)
+    assert ev.loss(eng, "test") != pytest.approx(expected)  # another split's batches
+
+
+def test_validates_every_eval_interval_and_at_the_last_step(eng, tmp_path, monkeypatch):
+    ev = evaluator(tmp_path, steps=10, eval_interval=3)
+    scripted(ev, monkeypatch, [5.0, 4.0, 3.0, 2.0])
+    for step in range(1, 11):
+        ev.after_step(eng, TrainState(step=step))
+    assert [(r.step, r.loss) for r in records(tmp_path, "valid")] == [(3, 5.0), (6, 4.0), (9, 3.0), (10, 2.0)]
+    assert ev.last_valid_loss == 2.0
+
+
+# Validation losses and, after each, (best so far, evaluations without improvement, stop?) with
+# patience 2 and min_delta 0.1: an improvement is a loss below the best minus 0.1.
+PLATEAU = [
+    (5.0, 5.0, 0, False),
+    (4.95, 5.0, 1, False),  # better, by less than min_delta
+    (4.85, 4.85, 0, False),  # below 5.0 - 0.1: an improvement resets the count
+    (4.80, 4.85, 1, False),
+    (4.75, 4.85, 2, True),  # exactly best - min_delta is no improvement: patience reached
+]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_early_stopping_after_patience_evaluations_without_improvement(eng, tmp_path, monkeypatch, enabled):
+    ev = evaluator(tmp_path, eval_interval=1, steps=100,
+                   early_stopping=EarlyStopping(enabled=enabled, patience=2, min_delta=0.1))
+    scripted(ev, monkeypatch, [loss for loss, *_ in PLATEAU])
+    state = TrainState()
+    for step, (_, best, without, stop) in enumerate(PLATEAU, start=1):
+        state.step = step
+        assert ev.after_step(eng, state) is (stop and enabled)
+        assert (state.best_valid_loss, state.evals_without_improvement) == (best, without)
+
+
+def test_early_stopping_counts_continue_from_the_train_state(eng, tmp_path, monkeypatch):
+    """A resumed run's counters come from its checkpoint's train state."""
+    ev = evaluator(tmp_path, eval_interval=1, early_stopping=EarlyStopping(enabled=True, patience=3, min_delta=0.0))
+    scripted(ev, monkeypatch, [4.0])
+    assert ev.after_step(eng, TrainState(step=4, best_valid_loss=3.0, evals_without_improvement=2)) is True
+
+
+def test_test_loss_is_logged_at_the_step_it_is_given(eng, tmp_path):
+    ev = evaluator(tmp_path)
+    loss = ev.test(eng, 10)
+    assert loss == ev.loss(eng, "test") and loss > 0
+    assert [(r.step, r.loss) for r in records(tmp_path, "test")] == [(10, loss)]
+    assert records(tmp_path, "valid") == []
+
+
+def test_a_run_without_valid_or_test_split_evaluates_nothing(eng, tmp_path):
+    ev = evaluator(tmp_path, splits=("train",))
+    state = TrainState(step=3)
+    assert ev.after_step(eng, state) is False and ev.last_valid_loss is None
+    assert ev.test(eng, 10) is None
+    assert records(tmp_path, "valid") == records(tmp_path, "test") == []
+    assert state == dataclasses.replace(TrainState(), step=3)

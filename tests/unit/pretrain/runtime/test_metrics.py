@@ -1,0 +1,220 @@
+"""MetricsLogger: which steps are logged, what a record holds, where it goes (metrics.jsonl, the
+progress bar, TensorBoard and wandb when enabled; nothing off rank 0); IterationTimer's pauses."""
+
+from __future__ import annotations
+
+import math
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+from one_process import tiny_run
+
+from pretrain.config import LoggingConfig, TrainConfig
+from pretrain.run_dir import EvalRecord, RunDir, TrainRecord
+from pretrain.runtime import metrics
+from pretrain.runtime.accounting import flops_per_token
+from pretrain.runtime.metrics import IterationTimer, MetricsLogger, wandb_run_id
+
+TOKENS_PER_STEP = 8 * 16  # global batch × model_fixtures' sequence length
+PEAK_MEM = 12345
+
+
+@pytest.fixture(autouse=True)
+def on_rank(monkeypatch):
+    """Run the logger as rank `rank` of `world_size` (rank 0 of 1 unless a test says otherwise)."""
+    def as_rank(rank: int, world_size: int = 1) -> None:
+        monkeypatch.setattr(metrics, "dist", SimpleNamespace(get_rank=lambda: rank, get_world_size=lambda: world_size))
+
+    monkeypatch.setattr(metrics, "peak_memory_bytes", lambda: PEAK_MEM)
+    as_rank(0)
+    return as_rank
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> RunDir:
+    """The run's folder, as the entry point creates it before training starts."""
+    (tmp_path / "run").mkdir()
+    return RunDir(tmp_path / "run")
+
+
+def config(logging: LoggingConfig | None = None):
+    """20 steps of 8 samples, logged every 5; by default metrics.jsonl only (no TensorBoard, wandb or bar)."""
+    return tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=8, steps=20, log_interval=5),
+                    logging=logging or LoggingConfig(tensorboard=False, wandb_mode="disabled", progress=False))
+
+
+def logger(run_dir: RunDir, cfg=None, start_step: int = 0) -> MetricsLogger:
+    return MetricsLogger(run_dir, cfg or config(), {"model": "tiny"}, start_step=start_step)
+
+
+def log_step(logger: MetricsLogger, step: int, *, loss: float = 2.5, skipped: bool = False,
+             grad_norm: float | None = 0.75) -> None:
+    logger.train_step(step, loss, 0.5, skipped=skipped, skipped_steps=1, lr=1e-3, grad_norm=grad_norm,
+                      trainable_params=1000)
+
+
+# ---------------------------------------------------------------------------- when a step is logged
+def test_due_every_log_interval_and_at_every_skipped_step(run_dir):
+    log = logger(run_dir)
+    assert [step for step in range(1, 13) if log.due(step, skipped=False)] == [5, 10]
+    assert log.due(3, skipped=True)
+
+
+def test_only_due_steps_are_written(run_dir):
+    log = logger(run_dir)
+    for step in (3, 4, 5):
+        log_step(log, step)
+    log_step(log, 7, skipped=True)
+    assert [(r.step, r.split) for r in run_dir.read_records()] == [(5, "train"), (7, "train")]
+
+
+# ---------------------------------------------------------------------------- what a record holds
+def test_train_record_fields(run_dir):
+    """tokens/s from the step's own time; no TFLOP/s or MFU where the device's peak is unknown (CPU)."""
+    log_step(logger(run_dir), 5)
+    assert run_dir.read_records() == [TrainRecord(
+        step=5, loss=2.5, lr=1e-3, grad_norm=0.75, tokens_per_s=TOKENS_PER_STEP / 0.5, step_time_s=0.5,
+        skipped_steps=1, trainable_params=1000, peak_mem_bytes=PEAK_MEM, tflops_per_device=None, mfu=None)]
+
+
+def test_mfu_with_a_known_device_peak(run_dir, monkeypatch, on_rank):
+    on_rank(0, world_size=4)
+    monkeypatch.setattr(metrics, "device_peak_tflops", lambda: 100.0)
+    cfg = config()
+    log_step(logger(run_dir, cfg), 5)
+    record, = run_dir.read_records()
+    per_device = flops_per_token(cfg.model) * (TOKENS_PER_STEP / 0.5) / 4 / 1e12
+    assert record.tflops_per_device == pytest.approx(per_device, rel=1e-12)
+    assert record.mfu == pytest.approx(per_device / 100.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("loss, ppl", [(2.0, math.exp(2.0)), (80.0, math.exp(50.0))], ids=["exp", "capped"])
+def test_evaluation_record(run_dir, loss, ppl):
+    logger(run_dir).evaluation(6, "valid", loss)
+    assert run_dir.read_records() == [EvalRecord(step=6, split="valid", loss=loss, ppl=ppl)]
+
+
+# ---------------------------------------------------------------------------- the progress bar
+def test_progress_bar_moves_every_step_and_shows_the_last_logged_loss(run_dir, capsys):
+    """A resumed run's bar starts at its step; every step moves it, logged or not."""
+    log = logger(run_dir, config(LoggingConfig(tensorboard=False, wandb_mode="disabled")), start_step=2)
+    assert (log.bar.n, log.bar.total) == (2, 20)
+    log.step_done(3)
+    assert log.bar.n == 3
+    log_step(log, 5)
+    log.step_done(5)
+    assert log.bar.n == 5
+    assert log.bar.postfix == f"loss=2.5000, lr=1.00e-03, tok_s={TOKENS_PER_STEP / 0.5:,.0f}"
+    log.close()
+    assert "5/20" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- sinks
+@pytest.fixture
+def fake_sinks(monkeypatch):
+    """torch.utils.tensorboard and wandb replaced by recorders of what the logger asks of them."""
+    calls = []
+
+    class SummaryWriter:
+        def __init__(self, **kwargs):
+            calls.append(("tb", kwargs))
+
+        def add_scalar(self, *args):
+            calls.append(("tb", *args))
+
+        def close(self):
+            calls.append(("tb closed",))
+
+    class WandbRun:
+        def log(self, values, step):
+            calls.append(("wandb", values, step))
+
+        def finish(self):
+            calls.append(("wandb finished",))
+
+    def init(**kwargs):
+        calls.append(("wandb", kwargs))
+        return WandbRun()
+
+    tensorboard, wandb = ModuleType("torch.utils.tensorboard"), ModuleType("wandb")
+    tensorboard.SummaryWriter, wandb.init = SummaryWriter, init
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    return calls
+
+
+def test_tensorboard_and_wandb_get_every_finite_number_of_a_record(run_dir, fake_sinks):
+    cfg = config(LoggingConfig(tensorboard=True, wandb_mode="offline", wandb_project="tiny", progress=False))
+    log = logger(run_dir, cfg)
+    log_step(log, 5, loss=float("nan"), grad_norm=None)  # neither is a number to plot
+    log.evaluation(5, "valid", 2.0)
+    log.close()
+
+    train = {"lr": 1e-3, "tokens_per_s": TOKENS_PER_STEP / 0.5, "step_time_s": 0.5, "skipped_steps": 1,
+             "trainable_params": 1000, "peak_mem_bytes": PEAK_MEM}
+    valid = {"loss": 2.0, "ppl": math.exp(2.0)}
+    assert fake_sinks == [
+        ("tb", {"log_dir": str(run_dir.tensorboard)}),
+        ("wandb", {"project": "tiny", "mode": "offline", "dir": str(run_dir.path), "config": {"model": "tiny"},
+                   "resume": "allow", "id": wandb_run_id(run_dir, cfg), "name": "run"}),
+        *[("tb", f"train/{key}", value, 5) for key, value in train.items()],
+        ("wandb", {f"train/{key}": value for key, value in train.items()}, 5),
+        *[("tb", f"valid/{key}", value, 5) for key, value in valid.items()],
+        ("wandb", {f"valid/{key}": value for key, value in valid.items()}, 5),
+        ("tb closed",), ("wandb finished",),
+    ]
+
+
+def test_tensorboard_and_wandb_off_write_only_metrics(run_dir, fake_sinks):
+    log = logger(run_dir)
+    log_step(log, 5)
+    log.close()
+    assert (log.tb, log.wandb, log.bar) == (None, None, None) and fake_sinks == []
+    assert [p.name for p in run_dir.path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_other_ranks_write_nothing(run_dir, fake_sinks, on_rank, capsys):
+    on_rank(1, world_size=2)
+    log = logger(run_dir, config(LoggingConfig(tensorboard=True, wandb_mode="offline", progress=True)))
+    assert log.due(5, skipped=False)  # the same rule as rank 0's: the loop's collective needs every rank
+    log_step(log, 5)
+    log.step_done(5)
+    log.evaluation(5, "valid", 2.0)
+    log.close()
+    assert list(run_dir.path.iterdir()) == [] and fake_sinks == [] and capsys.readouterr().err == ""
+
+
+def test_wandb_run_id_is_kept_in_the_run_dir(run_dir, tmp_path):
+    """Made once and reused by every resume, changed config included; another run dir gets another."""
+    run_id = wandb_run_id(run_dir, config())
+    assert len(run_id) == 16 and (run_dir.path / "wandb" / "run_id").read_text() == run_id + "\n"
+    assert wandb_run_id(run_dir, tiny_run("vanilla")) == run_id
+    assert wandb_run_id(RunDir(tmp_path / "other"), config()) != run_id
+
+
+# ---------------------------------------------------------------------------- IterationTimer
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_iteration_timer_leaves_pauses_out_of_the_lap(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)
+    timer = IterationTimer()
+    clock.now = 101.0
+    assert timer.lap() == 1.0
+    clock.now = 102.0
+    with timer.paused():  # an evaluation
+        clock.now = 104.5
+    with pytest.raises(KeyError), timer.paused():  # a pause that raises counts too
+        clock.now = 105.0
+        raise KeyError
+    clock.now = 106.0
+    assert timer.lap() == 106.0 - 101.0 - 3.0
+    clock.now = 107.5
+    assert timer.lap() == 1.5  # pauses belong to the lap they fell in
