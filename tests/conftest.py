@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,14 @@ from pretrain_runs import LAYOUTS, REPO, RunCache
 TRAINING_FIXTURES = {"trained_runs", "reference", "layout_runs"}
 # Fixtures that build data through the data tools' commands (seconds of subprocesses).
 SLOW_FIXTURES = {"shards"}
+
+
+def pytest_configure(config):
+    """Every process of the suite (this one, the ranks it spawns, the commands it runs) finds the
+    virtualenv's tools first on PATH, as in an activated virtualenv. DeepSpeed JIT-builds its CPU
+    communication op with the first ninja there, and two ninja versions taking turns rebuild it
+    (about 35 s) each time the other one ran."""
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
 def pytest_collection_modifyitems(items):

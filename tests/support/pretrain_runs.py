@@ -72,9 +72,9 @@ def forbid_workers(monkeypatch) -> None:
 
 
 def env() -> dict:
-    """The environment of an activated virtualenv (launch/ scripts call `python` and `deepspeed`)."""
-    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """A training's environment: one thread per process, output unbuffered (and, as everywhere in the
+    suite, the virtualenv's tools first on PATH: conftest.py)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run(config: Path, run_dir: Path, overrides=(), nproc: int = 1, check: bool = True,
