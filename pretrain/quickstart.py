@@ -257,7 +257,7 @@ def next_steps(flow: Flow) -> str:
                       "python -m data_tools.build_shards --input CORPUS --tokenizer TOK/sp.model --output-dir SHARDS",
                       "DATA_MANIFEST=SHARDS/manifest.json launch/pretrain_ora.sh small  "
                       "# README.md: presets, multi-node, the memory plan"],
-        "the tests": ["make test-fast  # in-process, seconds", "make test       # everything, about 40 minutes"],
+        "the tests": ["make test-fast  # in-process, seconds", "make test       # everything, about 15 minutes"],
     }
     width = max(map(len, steps))
     lines = ["next, after `. .venv/bin/activate`:"]
