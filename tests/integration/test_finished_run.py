@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from distributed import free_port
-from pretrain_runs import REPO, command, env, write_config
+from pretrain_runs import REPO, command, env, keep_environment, write_config
 
 from pretrain import pretrain_ora
 from pretrain.run_dir import RunDir
@@ -21,8 +21,7 @@ pytestmark = pytest.mark.distributed  # the session's reference run trains once
 @pytest.fixture
 def finished(reference, tmp_path, monkeypatch) -> Path:
     """A copy of the session's finished 6-step run (checkpoints at steps 3 and 6)."""
-    # main() would set the offline variables in this test process's environment (config.keep_offline).
-    monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)
+    keep_environment(monkeypatch)
     copy = tmp_path / "run"
     shutil.copytree(reference, copy)
     assert RunDir(copy).latest_checkpoint() == "step00000006" and RunDir(copy).summary.exists()

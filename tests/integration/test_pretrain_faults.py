@@ -67,7 +67,6 @@ def test_sigkill_then_resume_reproduces_losses(trained_runs, tmp_path, capsys, m
     assert RunDir(interrupted).checkpoint_tags() == ["step00000057", "step00000060"], "keep_last=2 prunes the rest"
 
     # A finished run's command again trains nothing: it returns before any worker would start.
-    monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)  # env of this process
     forbid_workers(monkeypatch)
     finished = RunDir(interrupted).summary.read_text()
     assert pretrain_ora.main(arguments(config, interrupted, PARTIAL_FROZEN, nproc=2)) == 0

@@ -149,7 +149,6 @@ def test_the_same_two_process_command_started_twice_trains_once(tmp_path, capsys
             assert os.readlink(f"/proc/{pid}/fd/0") == str(RunDir(run_dir).lock_file)
 
         # The second start, in this process: refused before it would start a worker.
-        monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)  # env of this process
         forbid_workers(monkeypatch)
         started = time.time()
         assert pretrain_ora.main(arguments(config, run_dir, overrides, nproc=2)) == 2

@@ -61,12 +61,19 @@ def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[s
     return [sys.executable, "-m", ENTRY_MODULE, *arguments(config, run_dir, overrides, nproc)]
 
 
+def keep_environment(monkeypatch) -> None:
+    """The entry, run in this process, leaves this process's environment as it is: main() would set
+    the offline variables in it (config.keep_offline)."""
+    monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)
+
+
 def forbid_workers(monkeypatch) -> None:
     """Fail the test if the entry, run in this process, starts a worker (torchrun's or its own): for
-    refusals and --check-only, which must not start one."""
+    refusals and --check-only, which must not start one. The environment stays as it is."""
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
 
+    keep_environment(monkeypatch)
     monkeypatch.setattr(pretrain_ora, "_launch_local", started)
     monkeypatch.setattr(pretrain_ora, "worker", started)
 

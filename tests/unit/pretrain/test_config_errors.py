@@ -7,15 +7,14 @@ import os
 from pathlib import Path
 
 import pytest
-from pretrain_runs import arguments, forbid_workers, write_config
+from pretrain_runs import arguments, forbid_workers, keep_environment, write_config
 
 from pretrain import pretrain_ora
 
 
 @pytest.fixture
 def config(tmp_path, monkeypatch):
-    # main() would set the offline variables in this test process's environment (config.keep_offline).
-    monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)
+    keep_environment(monkeypatch)
     return write_config(tmp_path)
 
 
