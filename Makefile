@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # keeps it apart from other environments' builds, and from a lock a killed build left in ~/.cache.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: install test test-fast lint demo
+.PHONY: install test test-fast lint demo gpu-report wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,13 @@ test-fast: install
 # launch/pretrain_ora.sh → test evaluation → verified Hugging Face export → a sample. Reruns skip or resume.
 demo: install
 	$(PY) -m pretrain.quickstart --out runs/demo
+
+# The GPU report (pretrain/research/gpu_report.py) on a machine with a CUDA GPU: GPU tests, the arms side by side,
+# the training loop, a profile; runs/gpu-report/gpu_report.{md,json}. Without a GPU it says so and fails (status 2).
+# No `install` first: on a GPU machine without network .venv is made from wheels instead (docs/launching.md).
+gpu-report:
+	$(PY) -m pretrain.research.gpu_report --out runs/gpu-report
+
+# Wheels of every dependency but torch, for such a machine (Python 3.12, x86_64): runs/wheels (docker/gpu_wheels.py).
+wheels: install
+	$(PY) docker/gpu_wheels.py --out runs/wheels

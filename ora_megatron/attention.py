@@ -256,7 +256,7 @@ class RandomQKVLinear(torch.nn.Module):
         return frozen_projection(
             FROZEN_QK_INIT[att.type], att.orthogonal_method, self.config.hidden_size, heads,
             self.head_dim, seed=self.seed, layer=layer_number, role=role,
-            joint_heads=att.joint_heads, std=att.init_std,
+            joint_heads=att.joint_heads, std=att.random_qk_scale(self.config.hidden_size),
         ).to(self.config.params_dtype)
 
     def forward(self, x):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec_for_backend
@@ -67,9 +68,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         # Master weights are drawn whole and sliced per rank: the same model for every TP size.
         use_cpu_initialization=True,
         perform_initialization=True,
-        # The fused kernels are CUDA/apex-only; the unfused paths run everywhere.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        # megatron-core's jit-fused bias + dropout + residual add and gated SiLU (the same arithmetic
+        # in one kernel) where there is a GPU. Its fused GELU is the tanh approximation, not the
+        # exact GELU the gpt2 family computes (and its export declares): left unfused. The other
+        # fusions need Transformer Engine or apex.
+        bias_activation_fusion=torch.cuda.is_available() and family.gated_mlp and family.activation is F.silu,
+        bias_dropout_fusion=torch.cuda.is_available(),
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,

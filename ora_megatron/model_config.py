@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -19,6 +20,8 @@ AttentionType = Literal[
 # Variants whose scores come from Q·K (the rest mix values with a learned or fixed N×N matrix).
 QK_VARIANTS = ("vanilla", "ora", "frozen_gaussian", "frozen_uniform")
 FROZEN_QK_INIT = {"ora": "orthogonal", "frozen_gaussian": "gaussian", "frozen_uniform": "uniform"}
+# Random Q/K whose scale is a setting (orthogonal columns have norm 1 by construction).
+SCALED_QK_VARIANTS = ("frozen_gaussian", "frozen_uniform")
 
 
 @dataclass
@@ -35,6 +38,8 @@ class AttentionConfig:
     """ora / frozen_*: train K from its random init instead of freezing it (ablation A2)."""
     init_std: float = 0.02
     """frozen_gaussian: std of N(0, std²); frozen_uniform: bound of U(-std, std); synthesizers, gaussian R: std."""
+    init_scale: Literal["fixed", "matched"] = "fixed"
+    """frozen_gaussian/uniform Q/K: fixed = init_std; matched = variance 1/d_model, E‖column‖² = 1 as orthonormal."""
     synthesizer_trainable: bool = True
     """synthesizer_random: R trainable (true) or fixed at its random init (false)."""
     synthesizer_rank: int = 64
@@ -51,11 +56,20 @@ class AttentionConfig:
         """True when Q/K come from our own projection (random init, frozen or not)."""
         return self.type in FROZEN_QK_INIT
 
+    def random_qk_scale(self, d_model: int) -> float:
+        """frozen_gaussian's std, frozen_uniform's bound: init_std, or with init_scale matched the scale
+        whose variance 1/d_model gives a d_model-long column the squared norm of an orthonormal one."""
+        if self.init_scale == "fixed":
+            return self.init_std
+        return math.sqrt((3.0 if self.type == "frozen_uniform" else 1.0) / d_model)  # U(-b, b): variance b²/3
+
     def validate(self, key: str) -> None:
         if self.train_q or self.train_k:
             check(self.custom_qkv, f"{key}.train_q",
                   f"train_q/train_k apply to {sorted(FROZEN_QK_INIT)}, not to '{self.type}'")
         check(self.init_std > 0, f"{key}.init_std", "must be > 0")
+        check(self.init_scale == "fixed" or self.type in SCALED_QK_VARIANTS, f"{key}.init_scale",
+              f"matched applies to {list(SCALED_QK_VARIANTS)}, not to '{self.type}'")
         check(self.synthesizer_rank > 0, f"{key}.synthesizer_rank", "must be > 0")
 
 

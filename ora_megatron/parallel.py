@@ -22,6 +22,9 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = N
         # With CUDA, NCCL for device tensors and gloo for the host-side scalars some collectives use
         # (parameter counts, the skip/preemption flags): an NCCL-only group rejects CPU tensors.
         backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            # One device per local rank, chosen before NCCL or any CUDA tensor picks device 0 for all.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:

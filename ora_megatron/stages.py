@@ -7,6 +7,11 @@ parameter names, `{stage name}.{parameter}` (e.g. `layer3.layer.mlp.linear_fc1.w
 checkpoints consolidate to and export maps from. A stage tied to an earlier one (the gpt2 output
 head reusing the embedding) owns no names of its own.
 
+The output head returns vocab-parallel logits [b, s, V/tp] as a view of its [s, b, V/tp] product.
+Given labels, the plain module returns the loss instead (at TP 1 fused with the output projection,
+ora_megatron.cross_entropy); the pipeline's last stage returns logits, since labels reach only its
+`loss_fn` (`lm_loss`).
+
 Each stage seeds the torch RNG from (seed, stage name) before drawing its weights, so every
 assembly and every pipeline split holds the same model; the master-weight-then-slice init of
 megatron's CPU path makes it the same for every TP size too.
@@ -20,11 +25,13 @@ from typing import Callable, Optional
 
 import torch
 import torch.utils.checkpoint
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import build_module
 
 from ora_megatron.builder import HostRotaryEmbedding, layer_spec, padded_vocab_size, transformer_config
+from ora_megatron.cross_entropy import linear_cross_entropy, lm_loss
 from ora_megatron.families import family_of
 from ora_megatron.linear import ColumnLinear
 from ora_megatron.model_config import ModelConfig, ParallelConfig
@@ -87,7 +94,8 @@ class FinalNormStage(torch.nn.Module):
 
 
 class OutputStage(torch.nn.Module):
-    """Untied output projection: hidden [s, b, h] → vocab-parallel logits [b, s, V/tp]."""
+    """Untied output projection: hidden [s, b, h] → vocab-parallel logits [b, s, V/tp] (a view of
+    the projection's [s, b, V/tp] result: no copy)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig):
         super().__init__()
@@ -98,14 +106,21 @@ class OutputStage(torch.nn.Module):
             bias=False, skip_bias_add=False, gather_output=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output_layer(hidden)[0].transpose(0, 1).contiguous()
+        return self.output_layer(hidden)[0].transpose(0, 1)
 
 
 def tied_logits(embedding: EmbeddingStage, hidden: torch.Tensor) -> torch.Tensor:
-    """Output head that reuses the input embedding (tied families): logits [b, s, V/tp]."""
+    """Output head that reuses the input embedding (tied families): logits [b, s, V/tp], a view as
+    OutputStage's are."""
     hidden = copy_to_tensor_model_parallel_region(hidden)  # identity forward, TP all-reduce backward
-    out = torch.matmul(hidden, embedding.word_embeddings.weight.t())
-    return out.transpose(0, 1).contiguous()
+    return torch.matmul(hidden, embedding.word_embeddings.weight.t()).transpose(0, 1)
+
+
+def output_weight(head: torch.nn.Module) -> torch.nn.Parameter:
+    """The output projection's weight [V/tp, h]: the untied output layer's, or the tied embedding's."""
+    if isinstance(head, EmbeddingStage):
+        return head.word_embeddings.weight
+    return head.output_layer.weight
 
 
 @dataclass
@@ -143,9 +158,13 @@ def owner_names(specs: list[StageSpec]) -> dict[str, str]:
 
 
 class StagedGPT(torch.nn.Module):
-    """All stages in one module (pipeline size 1): tokens [b, s] → logits [b, s, V/tp].
+    """All stages in one module (pipeline size 1): tokens [b, s] → logits [b, s, V/tp], or with
+    `labels_and_mask` ([b, s] each) the mean masked next-token loss.
 
-    Each stage is a submodule under its stage name, so parameter names are `{stage}.{param}`.
+    The loss never materialises the logits at TP 1: `linear_cross_entropy` takes the final norm's
+    output and the output weight (read here, inside the forward, so ZeRO-3 gathers it as it does
+    for the logits) chunk by chunk. At TP > 1 it is `lm_loss` of the logits. Each stage is a
+    submodule under its stage name, so parameter names are `{stage}.{param}`.
     """
 
     def __init__(self, specs: list[StageSpec]):
@@ -158,10 +177,12 @@ class StagedGPT(torch.nn.Module):
                 self.add_module(spec.name, spec.cls(**spec.kwargs))
             self.order.append((owner, spec.forward_fn))
         self.activation_checkpointing = False
+        self.fused_loss = linear_cross_entropy  # or its torch.compile'd self (train.compile)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels_and_mask=None) -> torch.Tensor:
         x = tokens
-        for name, forward_fn in self.order:
+        *body, (head_name, head_fn) = self.order
+        for name, forward_fn in body:
             module = getattr(self, name)
             if forward_fn is not None:
                 x = forward_fn(module, x)
@@ -169,7 +190,11 @@ class StagedGPT(torch.nn.Module):
                 x = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
             else:
                 x = module(x)
-        return x
+        head = getattr(self, head_name)
+        if labels_and_mask is not None and parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return self.fused_loss(x, output_weight(head), *labels_and_mask)
+        logits = head_fn(head, x) if head_fn is not None else head(x)
+        return logits if labels_and_mask is None else lm_loss(logits, labels_and_mask)
 
 
 def build_staged_gpt(model: ModelConfig, parallel: ParallelConfig) -> StagedGPT:

@@ -4,13 +4,15 @@ subpackage: runtime/ (training), checkpoint/ (save, resume, reshard, consolidate
 
 from ora_megatron.module_aliases import install
 
-# Commands users may have scripted, from before the modules were grouped by stage.
+# Commands users may have scripted, from before the modules were grouped by stage, and short names.
 install({
     "pretrain.convert_to_hf": "pretrain.export.convert_to_hf",
     "pretrain.generate": "pretrain.export.generate",
+    "pretrain.evaluate": "pretrain.export.evaluate",
     "pretrain.sweep": "pretrain.research.sweep",
     "pretrain.report": "pretrain.research.report",
     "pretrain.plan": "pretrain.research.memory_plan",
     "pretrain.bench": "pretrain.research.benchmarks.compare_arms",
     "pretrain.hostfile": "pretrain.launch.hostfile",
+    "pretrain.analyze": "pretrain.research.analyze",
 })

@@ -75,6 +75,10 @@ class TrainConfig:
     """Global batches per evaluation (the same fixed batches every time)."""
     activation_checkpointing: bool = False
     """Recompute each transformer layer's activations in the backward pass to save memory."""
+    compile: bool = False
+    """torch.compile each transformer layer and the loss (fused kernels; the first steps compile)."""
+    tf32: bool = True
+    """fp32 matrix multiplies on Ampere or newer GPUs use TF32 tensor cores; no effect on CPU."""
     freeze_schedule: Union[Literal["none", "partial_frozen"], list[FreezeStage]] = "none"
     """none, partial_frozen (50% of steps all Q/K frozen, 30% the first half, 20% none) or a list of stages."""
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
@@ -110,10 +114,16 @@ class OptimizerConfig:
     """Final learning rate as a fraction of lr, in [0, 1]."""
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to lr."""
-    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr)."""
+    decay_style: Literal["cosine", "linear", "constant", "cosine_restarts", "polynomial"] = "cosine"
+    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr; cosine_restarts: SGDR)."""
     decay_steps: Optional[int] = None
     """Step (warmup included) at which the decay reaches lr · min_lr_ratio; null = train.steps."""
+    restart_cycle_steps: Optional[int] = None
+    """cosine_restarts (required; no other style reads it): steps per cosine cycle, from warmup's end to decay_steps."""
+    restart_peak_decay: float = 1.0
+    """cosine_restarts only: each cycle's peak is the previous one's × this, in (0, 1]."""
+    decay_power: float = 1.0
+    """polynomial only: the power p of (lr − end) · (1 − t)^p + end, > 0 (1: linear)."""
     beta1: float = 0.9
     """AdamW β1, in [0, 1)."""
     beta2: float = 0.98
@@ -130,6 +140,19 @@ class OptimizerConfig:
         check(0.0 <= self.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be in [0, 1]")
         check(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
         check(self.decay_steps is None or self.decay_steps > 0, f"{key}.decay_steps", "must be > 0 (or null)")
+        check(self.decay_power > 0, f"{key}.decay_power", "must be > 0")
+        check(0.0 < self.restart_peak_decay <= 1.0, f"{key}.restart_peak_decay", "must be in (0, 1]")
+        if self.decay_style == "cosine_restarts":
+            check(self.restart_cycle_steps is not None and self.restart_cycle_steps > 0,
+                  f"{key}.restart_cycle_steps", "decay_style cosine_restarts needs a cycle length > 0")
+        # A value the style would not read is refused rather than ignored.
+        unread = {"restart_cycle_steps": (self.restart_cycle_steps, None, "cosine_restarts"),
+                  "restart_peak_decay": (self.restart_peak_decay, 1.0, "cosine_restarts"),
+                  "decay_power": (self.decay_power, 1.0, "polynomial")}
+        for name, (value, unset, style) in unread.items():
+            unset_text = "null" if unset is None else unset
+            check(self.decay_style == style or value == unset, f"{key}.{name}",
+                  f"read only with decay_style {style}, not {self.decay_style}: leave it at {unset_text}")
         for name in ("eps", "weight_decay", "clip_grad"):
             check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
         for name in ("beta1", "beta2"):
@@ -204,6 +227,8 @@ class LoggingConfig:
     """wandb project name."""
     progress: bool = True
     """Show a progress bar (loss, lr, tokens/s) on stderr."""
+    layer_grad_norms: bool = False
+    """Log each stage's gradient norm every log_interval steps (ZeRO≥1 gathers the gradients; not pipeline > 1)."""
 
 
 @dataclass
@@ -243,6 +268,9 @@ class RunConfig:
         check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
               f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
               "optimizer.decay_steps, or train.steps when unset)")
+        # ZeRO-3 gathers each weight in hooks inside the layers, which a compiled layer would trace.
+        check(not (self.train.compile and self.deepspeed.zero_stage == 3), "train.compile",
+              "torch.compile of the layers is supported with ZeRO-0/1/2, not with deepspeed.zero_stage=3")
         if self.train.freeze_stages:
             check(self.deepspeed.precision != "fp16", "train.freeze_schedule",
                   "freeze schedules are supported with fp32/bf16 only")
@@ -265,6 +293,15 @@ class RunConfig:
 # training reads local tokenizers and datasets only, and an export is loaded from its own folder.
 HUB_OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                            "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def device_environment(cfg: RunConfig) -> dict[str, str]:
+    """Variables the CUDA runtime must see before it starts, for this config's layout.
+
+    With tensor parallelism, megatron-core overlaps its TP all-reduce with the next GEMM only when
+    the device executes kernels in issue order: one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1).
+    """
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.parallel.tensor > 1 else {}
 
 
 def keep_offline(wandb_mode: str = "disabled") -> None:
@@ -323,5 +360,5 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
-__all__ = ["RunConfig", "load_run_config", "validate_for_world", "keep_offline", "ConfigError", "FreezeStage",
-           "PARTIAL_FROZEN"]
+__all__ = ["RunConfig", "load_run_config", "validate_for_world", "keep_offline", "device_environment", "ConfigError",
+           "FreezeStage", "PARTIAL_FROZEN"]

@@ -35,7 +35,15 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
-from pretrain.config import REPO, RunConfig, config_hash, keep_offline, load_run_config, validate_for_world
+from pretrain.config import (
+    REPO,
+    RunConfig,
+    config_hash,
+    device_environment,
+    keep_offline,
+    load_run_config,
+    validate_for_world,
+)
 from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, step_of_tag
 
 ENTRY_MODULE = "pretrain.pretrain_ora"  # python -m
@@ -156,6 +164,7 @@ def unwritable(run_dir: Path) -> Optional[str]:
 
 
 def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
+    import torch
     import torch.distributed as dist
 
     from ora_megatron.parallel import destroy_distributed, init_distributed
@@ -163,6 +172,11 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     from pretrain.runtime.engine import deepspeed_config
     from pretrain.runtime.trainer import Trainer, TrainingStopped
 
+    # Before the first CUDA call, for workers a launcher other than ours started (it set them already).
+    for name, value in device_environment(cfg).items():
+        os.environ.setdefault(name, value)
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
     # DeepSpeed runs the pipeline; megatron-core only needs its tensor-parallel groups.
     init_distributed(cfg.parallel.tensor, 1, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
     rank = dist.get_rank()
@@ -321,12 +335,12 @@ def check_report(start: Start) -> str:
             f"run dir {start.run_dir}{resumes}")
 
 
-def check_launch(argv: list[str], world_size: int) -> Path:
+def check_launch(argv: list[str], world_size: int) -> Start:
     """What `--check-only --world-size N` checks, for a launcher about to start N processes
-    (pretrain/launch/launcher.py): the report on stderr; returns the run dir; StartRefused."""
+    (pretrain/launch/launcher.py): the report on stderr; returns the checked start; StartRefused."""
     start = prepare(parse_args([*argv, "--check-only", "--world-size", str(world_size)]), under_launcher=False)
     print(check_report(start), file=sys.stderr)
-    return start.run_dir
+    return start
 
 
 def main(argv=None) -> int:
@@ -347,6 +361,7 @@ def main(argv=None) -> int:
         print(start.finished, file=sys.stderr)
         return 0
     if not under_launcher and start.world_size > 1:
+        os.environ.update(device_environment(start.cfg))  # torchrun's workers inherit it
         return _launch_local(args, start.world_size, start.run_dir, start.lock)
     return worker(start.cfg, RunDir(start.run_dir), start.grad_accum)
 

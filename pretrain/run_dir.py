@@ -7,6 +7,7 @@
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
       experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep/)
+      evaluations/<name>.json                        one post-training evaluation each (attention, probe, downstream)
       checkpoints/latest                             tag of the newest complete checkpoint
       checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
                                                      integrity.json (size + sha256 of every other file)
@@ -73,6 +74,9 @@ class TrainRecord:
     peak_mem_bytes: int  # GPU: allocator peak; CPU: process max RSS
     tflops_per_device: Optional[float] = None  # on a GPU whose peak is known
     mfu: Optional[float] = None
+    # Gradient 2-norm of each stage ({"embedding": …, "layer1": …}) before clipping, at log-interval
+    # steps (logging.layer_grad_norms); None where not measured or not finite.
+    layer_grad_norms: Optional[dict[str, Optional[float]]] = None
     split: str = "train"
 
 
@@ -127,6 +131,9 @@ class ExperimentRecord:
     log_tail: str  # the last lines of the run's log when it failed
     config_hash: str  # sha256 of the resolved config
     git_revision: str
+    # The spec's post-training evaluations that ended: name → status ("finished" | "failed"),
+    # exit_code, seconds, log_tail (when failed). Its file evaluations/<name>.json is the result.
+    evaluations: dict = field(default_factory=dict)
 
 
 def _from_json(data: dict) -> Record:
@@ -240,6 +247,7 @@ class RunDir:
     data_cache = _Entry("data_cache")
     resume_log = _Entry("resume_log.jsonl")
     experiment = _Entry("experiment.yaml")
+    evaluations = _Entry("evaluations")
     lock_file = _Entry("run.lock")
 
     def checkpoint(self, tag: str) -> Path:
@@ -441,6 +449,17 @@ class RunDir:
 
     def read_summary(self) -> Summary:
         return Summary(**json.loads(self.summary.read_text()))
+
+    # ------------------------------------------------------------------ evaluations
+    def evaluation_file(self, name: str) -> Path:
+        return self.evaluations / f"{name}.json"
+
+    def write_evaluation(self, record: dict) -> Path:
+        """evaluations/<record["name"]>.json, written atomically (NaN refused: null where no number)."""
+        self.evaluations.mkdir(parents=True, exist_ok=True)
+        path = self.evaluation_file(record["name"])
+        write_text_atomic(path, json.dumps(record, indent=1, allow_nan=False) + "\n")
+        return path
 
     # ------------------------------------------------------------------ sweeps
     def write_experiment(self, record: ExperimentRecord) -> None:

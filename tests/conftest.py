@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 from data_fixtures import build_slimpajama
 from one_process import process_group
 from pretrain_runs import LAYOUTS, REPO, RunCache
@@ -21,12 +23,20 @@ def pytest_configure(config):
     """Every process of the suite (this one, the ranks it spawns, the commands it runs) finds the
     virtualenv's tools first on PATH, as in an activated virtualenv. DeepSpeed JIT-builds its CPU
     communication op with the first ninja there, and two ninja versions taking turns rebuild it
-    (about 35 s) each time the other one ran."""
+    (about 35 s) each time the other one ran.
+
+    The suite runs on CPUs: unless the session selects the gpu-marked tests (`-m gpu`), the machine's
+    GPUs are hidden from all of these processes (CUDA_VISIBLE_DEVICES=""), so that on a machine with
+    GPUs no rank or command takes one (a CUDA context each, NCCL instead of gloo)."""
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    if not re.search(r"(?<!not )\bgpu\b", config.option.markexpr):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (select gpu tests with -m gpu)"))
         if TRAINING_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.distributed)
         elif SLOW_FIXTURES & set(item.fixturenames):

@@ -115,6 +115,35 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
     return Consolidated(state, FP32_MASTER if master is not None else MODULE, saved_dtype, sorted(frozen))
 
 
+@dataclass
+class TrainedModel:
+    cfg: RunConfig
+    """The run's resolved config."""
+    tag: str
+    """The checkpoint the weights come from."""
+    model: StagedGPT
+    """The TP=1 model holding the consolidated fp32 weights, in eval mode."""
+
+
+def load_trained_model(run_dir, tag: Optional[str] = None) -> TrainedModel:
+    """A run's model at checkpoint `tag` (default: the latest complete one), in one process.
+
+    Run it inside `tp1_parallel_state()`: megatron's layers read the parallel state in forward.
+    """
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    tag = tag or run.latest_checkpoint()
+    if tag is None:
+        raise FileNotFoundError(f"{run.path}: no complete checkpoint (checkpoints/latest is missing)")
+    if not run.checkpoint(tag).is_dir():
+        raise FileNotFoundError(f"{run.checkpoint(tag)}: no such checkpoint (tags: {run.checkpoint_tags()})")
+    cfg = run.read_config()
+    state = consolidated_state_dict(cfg, run.checkpoint(tag)).state_dict
+    with tp1_parallel_state(), torch.random.fork_rng(devices=[]):
+        model = build_staged_gpt(cfg.model, ParallelConfig())
+    model.load_state_dict(state, strict=True)
+    return TrainedModel(cfg, tag, model.eval())
+
+
 # ---------------------------------------------------------------------------- the reference model
 @contextlib.contextmanager
 def tp1_parallel_state() -> Iterator[None]:

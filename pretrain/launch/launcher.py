@@ -38,10 +38,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
-from pretrain.config import REPO, preset_names, preset_path
+from pretrain.config import REPO, device_environment, preset_names, preset_path
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
+
+if TYPE_CHECKING:
+    from pretrain.pretrain_ora import Start
 
 ENTRY = ["--module", "pretrain.pretrain_ora"]  # run from the repository root
 # DeepSpeed's SLURM backend runs `python -u SCRIPT` and has no --module (multinode_runner.py,
@@ -199,9 +202,9 @@ def refuse_shell_syntax_for_pdsh(entry_args: list[str], env: Environment) -> Non
                               "would read: move the value into the YAML config, or use NODE_RANK")
 
 
-def check_config(entry_args: list[str], world_size: int) -> Path:
+def check_config(entry_args: list[str], world_size: int) -> Start:
     """The training entry's own check for this many processes (config, data, resume, the run
-    dir's lock): LaunchError on a problem; returns the run dir."""
+    dir's lock): LaunchError on a problem; returns the checked start (config, run dir)."""
     from pretrain.pretrain_ora import check_launch
 
     try:
@@ -319,9 +322,11 @@ def launch(args: list[str], env: Environment) -> int:
     entry_args = entry_arguments(config, env.path("RUN_DIR"), rest, env)
     if topology.starts_other_nodes and topology.launcher == "pdsh":
         refuse_shell_syntax_for_pdsh(entry_args, env)
-    run_dir = check_config(entry_args, topology.world_size)
+    start = check_config(entry_args, topology.world_size)
+    run_dir = start.run_dir
     entry_args = entry_arguments(config, run_dir, rest, env)
     variables = {name: env.environ[name] for name in ("NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    variables.update(device_environment(start.cfg))
     env_file = environment = None
     if topology.starts_other_nodes:
         env_file, environment = run_dir / "deepspeed_env", environment_file_lines(topology, env)

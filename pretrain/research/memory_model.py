@@ -40,6 +40,7 @@ import torch
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.builder import padded_vocab_size
+from ora_megatron.cross_entropy import LOGITS_CHUNK_BYTES
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
@@ -76,6 +77,7 @@ class Layout:
     micro_batch_size: int
     grad_accum: int
     activation_checkpointing: bool
+    fp32_grad_accumulation: bool = False  # ZeRO-2/3's gradient buffers in fp32 (engine.fp32_grad_accumulation)
 
     @property
     def dtype_bytes(self) -> int:
@@ -206,7 +208,8 @@ def gradient_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfi
     ZeRO-1/2/3: the gradient buffer (ZeRO-1/2: every parameter overlapping the rank's partition, whole;
     ZeRO-3: the partitions), and while it is alive the step flattens a group's partition (training
     dtype) and converts it to fp32 (mixed precision). ZeRO-1 with gradient accumulation holds the
-    full gradients between boundaries (it reduces only at the boundary).
+    full gradients between boundaries (it reduces only at the boundary). bf16 ZeRO-2/3 with gradient
+    accumulation keep their buffer in fp32.
     """
     e, dp, trainable = layout.dtype_bytes, layout.data, sum(s.numel for s in shards if s.trainable)
     if layout.zero_stage == 0:
@@ -216,7 +219,7 @@ def gradient_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfi
     else:
         held = zero12_overlap(_groups(shards), dp)
     group = largest_stepped_group(shards, layout, zero)
-    at_step = e * held + e * group + (FP32 * group if layout.mixed else 0)
+    at_step = (FP32 if layout.fp32_grad_accumulation else e) * held + e * group + (FP32 * group if layout.mixed else 0)
     if layout.zero_stage == 1 and layout.grad_accum > 1:
         return max(e * trainable, at_step)
     return at_step
@@ -290,7 +293,9 @@ def head_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, first
     """What the embedding (first stage) and the final norm, output layer and loss (last stage) keep
     for backward, one micro-batch: token ids and the embedding's dropout mask; the final norm's input,
     output and statistics; the loss's fp32 softmax (4·s·b·V/tp: megatron's vocab-parallel cross
-    entropy works in place on our fp32 logits), its targets, the loss mask and normaliser."""
+    entropy works in place on our fp32 logits), its targets, the loss mask and normaliser. The fused
+    loss (`fused_loss`) keeps its gradients w.r.t. the hidden states and the output weight instead
+    of the softmax."""
     e, h = layout.dtype_bytes, model.hidden_size
     out = 0
     if first:
@@ -298,16 +303,30 @@ def head_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, first
         out += tokens * h * (1 if device == "cuda" else e) if model.hidden_dropout > 0 else 0
     if last:
         norm_stats = 2 if family_of(model).normalization == "LayerNorm" else 1
-        out += tokens * (2 * e * h + norm_stats * (FP32 if device == "cuda" else e))
-        out += tokens * padded_vocab_size(model) // layout.tensor * FP32
-        out += tokens * (1 + 8 + FP32) + FP32  # cross entropy's target mask and targets, loss mask and normaliser
+        out += tokens * (e * h + norm_stats * (FP32 if device == "cuda" else e))  # the final norm's input
+        if fused_loss(layout):
+            out += (tokens + padded_vocab_size(model)) * h * e
+        else:
+            out += tokens * e * h  # the norm's output: the output layer's input
+            out += tokens * padded_vocab_size(model) // layout.tensor * FP32
+            out += tokens * (1 + 8 + FP32) + FP32  # cross entropy's target mask and targets, loss mask, normaliser
     return out
+
+
+def fused_loss(layout: Layout) -> bool:
+    """The plain model at TP 1 fuses the output projection with the loss (ora_megatron.cross_entropy)."""
+    return layout.pipeline == 1 and layout.tensor == 1
 
 
 def logits_transient_bytes(model: ModelConfig, tokens: int, layout: Layout) -> int:
     """The logits in the training dtype, alive beside the fp32 softmax while the loss is computed
-    (and their gradient beside it at the start of backward): e·s·b·V/tp on the last stage."""
-    return tokens * padded_vocab_size(model) // layout.tensor * layout.dtype_bytes
+    (and their gradient beside it at the start of backward): e·s·b·V/tp on the last stage. The fused
+    loss holds one chunk of fp32 logits and their gradient, and the fp32 sum of the weight gradient."""
+    vocab = padded_vocab_size(model)
+    if fused_loss(layout):
+        chunk = min(tokens, max(1, LOGITS_CHUNK_BYTES // (FP32 * vocab)))
+        return chunk * vocab * (FP32 + layout.dtype_bytes) + vocab * model.hidden_size * FP32
+    return tokens * vocab // layout.tensor * layout.dtype_bytes
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, layers: int, first: bool, last: bool,
@@ -328,7 +347,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, layers: int, first: boo
 
 ACTIVATION_FORMULA = (
     "Korthikanti et al. 2022 without the a·s² terms (torch SDPA): per layer s·b·(16·h·e + 2·h) bytes "
-    "(MHA, FFN 4h, TP 1) + fp32 log-sum-exp 4·a·s·b; last stage + fp32 softmax 4·s·b·V and the logits e·s·b·V; "
+    "(MHA, FFN 4h, TP 1) + fp32 log-sum-exp 4·a·s·b; last stage + fp32 softmax 4·s·b·V and the logits e·s·b·V "
+    "(at TP 1 without a pipeline, the fused loss: e·(s·b + V)·h and one chunk of logits); "
     "checkpointing: e·s·b·h per layer + one layer recomputed")
 
 
@@ -353,12 +373,15 @@ def in_flight_micro_batches(stage: int, layout: Layout) -> int:
 # ------------------------------------------------------------------ the plan
 def layout_of(cfg: RunConfig, world_size: int) -> Layout:
     """The run's layout; config errors (naming the key) when the world size does not fit it."""
+    from pretrain.runtime.engine import fp32_grad_accumulation
+
     grad_accum = validate_for_world(cfg, world_size)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     return Layout(world_size=world_size, tensor=tp, pipeline=pp, data=world_size // (tp * pp),
                   zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
                   micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum,
-                  activation_checkpointing=cfg.train.activation_checkpointing)
+                  activation_checkpointing=cfg.train.activation_checkpointing,
+                  fp32_grad_accumulation=fp32_grad_accumulation(cfg, grad_accum))
 
 
 def zero_config(cfg: RunConfig, layout: Layout) -> DeepSpeedZeroConfig:

@@ -5,6 +5,7 @@ exactly the batches the uninterrupted one would have."""
 from __future__ import annotations
 
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -204,24 +205,46 @@ class BatchOrder:
         return range(start, start + self.micro_batch_size)
 
 
-def collate(dataset, indices) -> dict[str, torch.Tensor]:
+def collate(dataset, indices, pin_memory: bool = False) -> dict[str, torch.Tensor]:
     samples = [dataset[i % len(dataset)] for i in indices]
     keys = ("tokens", "labels", "loss_mask")
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    # Page-locked, the copy to the device runs asynchronously (`non_blocking=True`).
+    return {k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch
 
 
 class StepBatches:
     """The micro-batches of a step, for any split: as tensors, or as DeepSpeed's pipeline engine
-    takes them (an iterator of (inputs, (labels, loss_mask)))."""
+    takes them (an iterator of (inputs, (labels, loss_mask))).
 
-    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder):
-        self.datasets, self.order = datasets, order
+    With `prefetch` (runs on a GPU, whose host is idle while the device computes), the next training
+    micro-batch is read and collated in a background thread, into pinned memory, while the current
+    one trains. The batch of (step, micro) is a function of those alone, so what is prefetched is
+    what would have been read. On CPU the thread would take cores from the model's own threads.
+    """
+
+    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder, prefetch: bool = False):
+        self.datasets, self.order, self.prefetch = datasets, order, prefetch
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if prefetch else None
+        self._ahead: Optional[tuple[tuple[int, int], Future]] = None  # ((step, micro), its batch)
 
     def has(self, split: str) -> bool:
         return self.datasets.get(split) is not None
 
+    def _read(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
+        pin = self.prefetch and torch.cuda.is_available()
+        return collate(self.datasets[split], self.order.indices(step, micro), pin_memory=pin)
+
     def micro_batch(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
-        return collate(self.datasets[split], self.order.indices(step, micro))
+        if self._reader is None or split != "train":
+            return self._read(split, step, micro)
+        ahead, self._ahead = self._ahead, None
+        batch = ahead[1].result() if ahead is not None and ahead[0] == (step, micro) else None
+        if batch is None:
+            batch = self._read(split, step, micro)
+        following = (step, micro + 1) if micro + 1 < self.order.grad_accum else (step + 1, 0)
+        self._ahead = (following, self._reader.submit(self._read, split, *following))
+        return batch
 
     def pipeline_iter(self, split: str, step: int):
         batches = [self.micro_batch(split, step, m) for m in range(self.order.grad_accum)]

@@ -61,7 +61,21 @@ def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
         # throughput is measured by the metrics logger instead.
         "timers": {"throughput": {"enabled": False}},
     })
+    zero = merged["zero_optimization"]
+    if zero["stage"] > 0 and torch.cuda.is_available():
+        # Reduce each gradient bucket on a side stream while backward computes the next one. (On
+        # the CPU accelerator DeepSpeed has no streams to overlap with.)
+        zero["overlap_comm"] = True
+    if fp32_grad_accumulation(cfg, grad_accum):
+        merged["data_types"] = {"grad_accum_dtype": "fp32"}
     return merged
+
+
+def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
+    """Whether the micro-batches' bf16 gradients are summed in fp32 (rather than in bf16, 8 mantissa
+    bits). DeepSpeed offers it with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its
+    bf16 optimizer, whose checkpoints are laid out differently."""
+    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
 
 
 class PipelinedGPT(PipelineModule):
@@ -153,26 +167,41 @@ class Engine:
                     param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
 
 
+def compile_model(model: torch.nn.Module) -> None:
+    """torch.compile each transformer layer, in place: its parameters keep their names (no
+    `_orig_mod.`), so checkpoints and exports are those of the eager model; and the loss."""
+    for module in model.modules():
+        if isinstance(module, DecoderLayerStage):
+            module.compile()
+    if isinstance(model, PipelineModule):
+        model.loss_fn = torch.compile(model.loss_fn)
+    else:
+        model.fused_loss = torch.compile(model.fused_loss)
+
+
 def build_model(cfg: RunConfig) -> torch.nn.Module:
     # DeepSpeed's comm layer wraps the existing torch process group (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     if cfg.parallel.pipeline > 1:
-        return _pipeline_module(cfg)
-    model = StagedGPT(stage_specs(cfg.model, cfg.parallel))
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+        model = _pipeline_module(cfg)
+    else:
+        model = StagedGPT(stage_specs(cfg.model, cfg.parallel))
+        model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        compile_model(model)
     return model
 
 
 def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None = None) -> Engine:
     model = model if model is not None else build_model(cfg)
     opt = cfg.optimizer
-    optimizer = build_optimizer(model, opt)
+    fp32_zero0 = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
+    optimizer = build_optimizer(model, opt, decides_skips=fp32_zero0)
     pipelined = isinstance(model, PipelineModule)
     ds_engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, grad_accum),
         mpu=None if pipelined else MegatronMPU())
     undo_initial_zero_step(ds_engine)
-    fp32_zero0 = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(ds_engine, ds_engine.optimizer.record_clip_norm)
     single_replica = fp32_zero0 and not pipelined and parallel_state.get_data_parallel_world_size() == 1

@@ -12,10 +12,13 @@ import math
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
+import torch
 import torch.distributed as dist
+from deepspeed.utils import safe_get_full_grad
+from megatron.core import parallel_state
 
 from pretrain.config import RunConfig, config_hash
 from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, write_text_atomic
@@ -26,18 +29,39 @@ class IterationTimer:
     """Wall time of each training iteration: from the end of one train step to the end of the next,
     so it holds the loop's own work too (LR schedule, logging, the preemption check), like nanoGPT's
     per-iteration time; evaluation and checkpoint saves are left out (`paused`), like Megatron-LM's
-    interval timer, so a step's throughput does not depend on the cadence of either."""
+    interval timer, so a step's throughput does not depend on the cadence of either.
+
+    `window()` adds up the iterations since the previous window, for a logged step's throughput. On a
+    GPU the host only queues a step's kernels, so one lap measures their launch, not their run: the
+    window waits for the device once (torch.cuda.synchronize), so it covers the device's work of every
+    step in it, with one synchronisation per logged step rather than one per step."""
 
     def __init__(self):
         self._mark = time.perf_counter()
         self._paused = 0.0
+        self._window_s, self._window_steps = 0.0, 0
 
     def lap(self) -> float:
-        """Seconds since the previous lap (or the timer's start), pauses excluded."""
+        """Seconds since the previous lap (or the timer's start, or the last window), pauses excluded; the
+        iteration joins the current window."""
         now = time.perf_counter()
         elapsed = now - self._mark - self._paused
         self._mark, self._paused = now, 0.0
+        self._window_s += elapsed
+        self._window_steps += 1
         return elapsed
+
+    def window(self) -> tuple[float, int]:
+        """(seconds, iterations) since the previous window: its laps and the time after the last of them (a
+        logged step's loss reduction), pauses excluded, once the CUDA device, if this process uses one, has
+        finished what was queued. Starts the next window."""
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        seconds, steps = self._window_s + now - self._mark - self._paused, self._window_steps
+        self._mark, self._paused = now, 0.0
+        self._window_s, self._window_steps = 0.0, 0
+        return seconds, steps
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -46,6 +70,26 @@ class IterationTimer:
             yield
         finally:
             self._paused += time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Throughput:
+    step_time_s: float  # mean over the window
+    tokens_per_s: float  # of all ranks together
+    tflops_per_device: Optional[float]  # analytic FLOPs (flops_per_token); None where the peak is unknown
+    mfu: Optional[float]  # tflops_per_device / the device's dense peak for the run's precision
+
+
+def throughput(seconds: float, steps: int, tokens_per_step: int, flops_per_token: float, world_size: int,
+               peak_tflops: Optional[float]) -> Throughput:
+    """Speed over a window of `steps` optimizer steps of `tokens_per_step` tokens (all ranks together)
+    that took `seconds`; TFLOP/s and MFU only against a known peak (accounting.device_peak_tflops)."""
+    step_time_s = seconds / steps
+    tokens_per_s = tokens_per_step / step_time_s
+    if peak_tflops is None:
+        return Throughput(step_time_s, tokens_per_s, None, None)
+    tflops_per_device = flops_per_token * tokens_per_s / world_size / 1e12
+    return Throughput(step_time_s, tokens_per_s, tflops_per_device, tflops_per_device / peak_tflops)
 
 
 def wandb_run_id(run_dir: RunDir, cfg: RunConfig) -> str:
@@ -73,7 +117,7 @@ class MetricsLogger:
         self.log_interval = cfg.train.log_interval
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_token = flops_per_token(cfg.model)
-        self.peak_tflops = device_peak_tflops()
+        self.peak_tflops = device_peak_tflops(cfg.deepspeed.precision)
         self.world_size = dist.get_world_size()
         self.writing = dist.get_rank() == 0
         self.file = self.tb = self.wandb = self.bar = None
@@ -102,21 +146,25 @@ class MetricsLogger:
         every rank, so the loop reduces the loss over ranks only then."""
         return step % self.log_interval == 0 or skipped
 
-    def train_step(self, step: int, loss: float, step_time_s: float, *, skipped: bool, skipped_steps: int,
-                   lr: float, grad_norm: Optional[float], trainable_params: int) -> None:
-        """Writes the record of a step that is `due`."""
+    def train_step(self, step: int, loss: float, seconds: float, *, window_steps: int = 1, skipped: bool,
+                   skipped_steps: int, lr: float, grad_norm: Optional[float], trainable_params: int,
+                   layer_grad_norms: Optional[dict[str, Optional[float]]] = None) -> None:
+        """Writes the record of a step that is `due`. `seconds` is the wall time of the `window_steps`
+        steps since the previous record (IterationTimer.window), or of this step alone: the record's step
+        time, tokens/s, TFLOP/s and MFU are over them (`throughput`)."""
         if not self.writing or not self.due(step, skipped):
             return
-        tokens_per_s = self.tokens_per_step / step_time_s
-        record = TrainRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
-                             step_time_s=step_time_s, skipped_steps=skipped_steps,
-                             trainable_params=trainable_params, peak_mem_bytes=peak_memory_bytes())
-        if self.peak_tflops is not None:
-            record.tflops_per_device = self.flops_per_token * tokens_per_s / self.world_size / 1e12
-            record.mfu = record.tflops_per_device / self.peak_tflops
+        speed = throughput(seconds, window_steps, self.tokens_per_step, self.flops_per_token, self.world_size,
+                           self.peak_tflops)
+        record = TrainRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=speed.tokens_per_s,
+                             step_time_s=speed.step_time_s, skipped_steps=skipped_steps,
+                             trainable_params=trainable_params, peak_mem_bytes=peak_memory_bytes(),
+                             tflops_per_device=speed.tflops_per_device, mfu=speed.mfu,
+                             layer_grad_norms=layer_grad_norms)
         self._write(record)
         if self.bar is not None:  # shown from the next redraw on
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{speed.tokens_per_s:,.0f}",
+                                 refresh=False)
 
     def step_done(self, step: int) -> None:
         """Move the progress bar to `step`; called after every step, logged or not (host only)."""
@@ -129,8 +177,10 @@ class MetricsLogger:
 
     def _write(self, record: Record) -> None:
         self.file.append(record)
-        scalars = {k: v for k, v in asdict(record).items()
-                   if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
+        fields = {}
+        for key, value in asdict(record).items():  # a dict field's entries as `field/key` (layer_grad_norms)
+            fields.update({f"{key}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
+        scalars = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self.tb is not None:
             for key, value in scalars.items():
                 self.tb.add_scalar(f"{record.split}/{key}", value, record.step)
@@ -143,3 +193,40 @@ class MetricsLogger:
                 sink.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def layer_grad_norms_due(cfg: RunConfig, step: int) -> bool:
+    """Whether step `step` (1-based) records per-stage gradient norms: a log-interval step, when asked for."""
+    return cfg.logging.layer_grad_norms and step % cfg.train.log_interval == 0
+
+
+def layer_grad_norms(eng) -> Optional[dict[str, Optional[float]]]:
+    """The 2-norm of each stage's gradient (`{"embedding": …, "layer1": …, "final_norm": …}`), unscaled,
+    before clipping: their root sum of squares is the step's grad_norm. None for a pipeline (its
+    engine steps inside train_batch: the gradients are never there to read); None for a stage whose
+    norm is not finite (a skipped step).
+
+    Called between a step's last backward and its optimizer step, the one moment every layout holds
+    the reduced gradients: in `param.grad` (ZeRO-0), in ZeRO-1/2/3's partitions, read whole through
+    DeepSpeed's `safe_get_full_grad` (a collective over the data-parallel group: every rank asks for
+    every parameter, in the same order). Tensor-parallel shards are summed over the TP group,
+    replicated weights counted once (TP rank 0). fp16 gradients are divided by the loss scale.
+    """
+    if eng.pipelined:
+        return None
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    squares: dict[str, torch.Tensor] = {}
+    for name, param in eng.named_parameters():
+        if not param.requires_grad:
+            continue
+        stage = name.split(".", 1)[0]
+        grad = safe_get_full_grad(param)
+        total = squares.setdefault(stage, torch.zeros((), dtype=torch.float32, device=param.device))
+        if grad is not None and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+            total += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    stacked = torch.stack(list(squares.values()))
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(stacked, group=parallel_state.get_tensor_model_parallel_group())
+    scale = float(getattr(eng.ds_engine.optimizer, "loss_scale", 1.0))
+    norms = (stacked.sqrt() / scale).tolist()
+    return {stage: norm if math.isfinite(norm) else None for stage, norm in zip(squares, norms)}

@@ -1,8 +1,10 @@
 """The optimizer of a run: AdamW over the trainable parameters' groups (`param_groups`), skipping
-steps with non-finite gradients (`SkippingAdamW`), and megatron-core's LR schedule (`lr_scheduler`)."""
+steps with non-finite gradients (`SkippingAdamW`), and megatron-core's LR schedule with two more
+decay styles (`ParamScheduler`, built by `lr_scheduler`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -77,19 +79,82 @@ class SkippingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> SkippingAdamW:
-    """AdamW over `param_groups(model)` with the run's hyperparameters (DeepSpeed wraps it)."""
+def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, decides_skips: bool) -> torch.optim.AdamW:
+    """AdamW over `param_groups(model)` with the run's hyperparameters (DeepSpeed wraps it).
+
+    `decides_skips`: DeepSpeed steps it directly (ZeRO-0 in fp32), so it must skip non-finite steps
+    itself (SkippingAdamW). Everywhere else DeepSpeed's ZeRO or mixed-precision optimizer wraps it
+    and skips such a step before calling it (from the all-reduced gradient norm): checking again
+    would cost a host sync per gradient and a collective per step, and decide nothing.
+    """
     # foreach: the same update, tensor by tensor in C++ rather than in Python (torch picks it on
     # CUDA by itself, not on CPU, where the per-tensor loop costs more than the arithmetic).
-    return SkippingAdamW(param_groups(model, opt.weight_decay), lr=opt.lr,
-                         betas=(opt.beta1, opt.beta2), eps=opt.eps, foreach=True)
+    adamw = SkippingAdamW if decides_skips else torch.optim.AdamW
+    return adamw(param_groups(model, opt.weight_decay), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                 foreach=True)
 
 
-def lr_scheduler(cfg: RunConfig, optimizer) -> OptimizerParamScheduler:
-    """megatron-core's warmup + cosine/linear decay to lr·min_lr_ratio (weight decay constant)."""
+class ParamScheduler(OptimizerParamScheduler):
+    """megatron-core's OptimizerParamScheduler with two more LR decay styles; its warmup, its other
+    styles, weight decay and checkpointing stay megatron's. The LR is a function of the step count
+    alone, so a resumed schedule continues bitwise as an uninterrupted one would.
+
+    After warmup, with t = step − warmup steps and min_lr = lr · min_lr_ratio:
+
+    - `cosine_restarts` (SGDR, Loshchilov & Hutter 2017; torch's CosineAnnealingWarmRestarts with
+      T_mult=1): cycles of `restart_cycle_steps` C; cycle k = t // C starts at the peak
+      max(lr · restart_peak_decay^k, min_lr) and falls by cosine towards min_lr. From the decay
+      steps on the LR is min_lr (a cycle the decay steps cut short ends there).
+    - `polynomial` (transformers' get_polynomial_decay_schedule_with_warmup):
+      (lr − min_lr) · (1 − t / (decay steps − warmup steps))^decay_power + min_lr, then min_lr.
+    """
+
+    STYLES = ("cosine_restarts", "polynomial")
+
+    def __init__(self, optimizer, *, restart_cycle_steps: Optional[int], restart_peak_decay: float,
+                 decay_power: float, **megatron_args) -> None:
+        # Set before megatron's constructor, which computes the first LR.
+        self.restart_cycle_steps = restart_cycle_steps
+        self.restart_peak_decay = restart_peak_decay
+        self.decay_power = decay_power
+        super().__init__(optimizer, **megatron_args)
+
+    def get_lr(self, param_group: dict) -> float:
+        in_warmup = self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps
+        if self.lr_decay_style not in self.STYLES or in_warmup:
+            return super().get_lr(param_group)
+        max_lr = param_group.get("max_lr", self.max_lr)
+        min_lr = param_group.get("min_lr", self.min_lr)
+        if self.num_steps >= self.lr_decay_steps:  # where the decay ends; the next cycle would restart here
+            return min_lr
+        elapsed = self.num_steps - self.lr_warmup_steps
+        if self.lr_decay_style == "polynomial":
+            remaining = 1.0 - elapsed / (self.lr_decay_steps - self.lr_warmup_steps)
+            return (max_lr - min_lr) * remaining ** self.decay_power + min_lr
+        cycle, position = divmod(elapsed, self.restart_cycle_steps)
+        peak = max(max_lr * self.restart_peak_decay ** cycle, min_lr)
+        return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * position / self.restart_cycle_steps))
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "restart_cycle_steps": self.restart_cycle_steps,
+                "restart_peak_decay": self.restart_peak_decay, "decay_power": self.decay_power}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Like megatron's own fields: the checkpoint's values win. Set before megatron's load, which
+        # steps to the checkpoint's step; a checkpoint without them had a style that reads none.
+        for name, what in (("restart_cycle_steps", "restart cycle steps"),
+                           ("restart_peak_decay", "restart peak decay"), ("decay_power", "decay power")):
+            setattr(self, name, self._check_and_set(getattr(self, name), state_dict.get(name, getattr(self, name)),
+                                                    what))
+        super().load_state_dict(state_dict)
+
+
+def lr_scheduler(cfg: RunConfig, optimizer) -> ParamScheduler:
+    """Warmup, then the decay style's decay to lr·min_lr_ratio (weight decay constant)."""
     opt = cfg.optimizer
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.lr * opt.min_lr_ratio,
+    return ParamScheduler(
+        optimizer, restart_cycle_steps=opt.restart_cycle_steps, restart_peak_decay=opt.restart_peak_decay,
+        decay_power=opt.decay_power, init_lr=0.0, max_lr=opt.lr, min_lr=opt.lr * opt.min_lr_ratio,
         lr_warmup_steps=opt.warmup_steps, lr_decay_steps=opt.decay_steps or cfg.train.steps,
         lr_decay_style=opt.decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
         wd_incr_steps=cfg.train.steps, wd_incr_style="constant")

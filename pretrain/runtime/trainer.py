@@ -24,7 +24,7 @@ from pretrain.runtime.engine import Engine, MegatronMPU, build_engine
 from pretrain.runtime.evaluator import Evaluator
 from pretrain.runtime.freeze import apply_freeze_stage, freeze_stage_index
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
-from pretrain.runtime.metrics import IterationTimer, MetricsLogger
+from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
 
 
 class TrainingStopped(RuntimeError):
@@ -60,8 +60,10 @@ class Trainer:
         self.param_counts = accounting.parameter_counts(self.eng)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (Engine.reports_no_grad_norm)
+        self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
         self._enter_freeze_stage(freeze_stage_index(cfg, 0))
-        self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()))
+        self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()),
+                                   prefetch=torch.cuda.is_available())
         self.run_dir = run_dir
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
 
@@ -110,6 +112,8 @@ class Trainer:
                     self.grad_bytes = accounting.local_grad_bytes(engine)
                 if self.eng.reports_no_grad_norm:
                     self.zero0_grad_norm = float(get_flattened_grad_norm(self.eng.trainable, mpu=MegatronMPU()))
+                due = layer_grad_norms_due(self.cfg, step + 1)
+                self.layer_grad_norms = layer_grad_norms(self.eng) if due else None
             engine.step()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
@@ -149,7 +153,7 @@ class Trainer:
             self.eng.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
             skipped_before = self.eng.ds_engine.skipped_steps
             loss = self._train_step(state.step)
-            step_time = timer.lap()
+            timer.lap()
             skipped = self.eng.ds_engine.skipped_steps > skipped_before
             state.step += 1
             state.tokens_seen += cfg.global_batch_size * self.cfg.model.seq_length
@@ -158,10 +162,13 @@ class Trainer:
             loss_reduced = logger.due(state.step, skipped)
             if loss_reduced:  # the loss leaves the device (a collective) only when it is logged
                 train_loss = self._mean_loss(loss)
+                seconds, steps = timer.window()  # the steps since the last record, the device synchronised
                 logger.train_step(
-                    state.step, train_loss, step_time, skipped=skipped, skipped_steps=state.skipped_steps,
+                    state.step, train_loss, seconds, window_steps=steps, skipped=skipped,
+                    skipped_steps=state.skipped_steps,
                     lr=self.eng.scheduler.get_lr(self.eng.ds_engine.optimizer.param_groups[0]),
-                    grad_norm=self._grad_norm(), trainable_params=self.param_counts[0])
+                    grad_norm=self._grad_norm(), trainable_params=self.param_counts[0],
+                    layer_grad_norms=self.layer_grad_norms)
             logger.step_done(state.step)
             too_many_skips = state.consecutive_skips >= cfg.max_consecutive_skips
             with timer.paused():

@@ -22,7 +22,7 @@ from pretrain.config import config_hash
 from pretrain.research.sweep.__main__ import main as sweep_main
 from pretrain.research.sweep.runner import start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
-from pretrain.research.sweep.state import run_state, started_record
+from pretrain.research.sweep.state import Task, run_state, started_record
 from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
@@ -195,7 +195,12 @@ def _finish(run: Run, status: str, config_hash: str) -> None:
 
 def test_sweep_hands_the_lock_to_its_run_which_outlives_the_sweep(tmp_path):
     (run, *_) = expand(load_spec(_spec(tmp_path)), "cpu", None, [], tmp_path / "out")
-    attempt = start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
+    task = Task(run, train=True, evaluations=[])
+
+    def launch(run: Run) -> tuple[list[str], dict[str, str]]:
+        return holder_command(run.run_dir.path), dict(os.environ)
+
+    attempt = start(task, launch, dict(os.environ), "revision")
     try:
         deadline = time.time() + 60
         while attempt.process.poll() is None and "held" not in (run.run_dir.path / LOG_NAME).read_text():
@@ -205,7 +210,7 @@ def test_sweep_hands_the_lock_to_its_run_which_outlives_the_sweep(tmp_path):
         assert run_state(run) == "running"
         assert run.run_dir.lock_holder().startswith(f"pid {attempt.process.pid} on ")  # the run, not the sweep
         with pytest.raises(RunDirBusy):
-            start(run, holder_command(run.run_dir.path), dict(os.environ), "revision")
+            start(task, launch, dict(os.environ), "revision")
     finally:
         kill(attempt.process)
     assert run_state(run) == "interrupted"  # its record says "running", nobody holds the lock

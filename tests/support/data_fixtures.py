@@ -6,6 +6,7 @@ import json
 import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zstandard
 
@@ -153,3 +154,16 @@ def build_slimpajama(
         add_truncated_file(corpus, os.path.join(truncated, "example_train_0.jsonl.gz"), rng, 4)
         add_truncated_file(corpus, os.path.join(truncated, "example_train_1.jsonl.zst"), rng, 4)
     return corpus
+
+
+def word_tokenizer(root: Path, words: list[str], vocab_size: int, words_per_line: int) -> Path:
+    """A sentencepiece model (data_tools.train_tokenizer) of 200 lines of `words` drawn at random: root/sp.model."""
+    from data_tools import train_tokenizer
+
+    rng = random.Random(0)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=words_per_line))}) + "\n"
+                              for _ in range(200)))
+    train_tokenizer.main(["--input", str(corpus), "--model-prefix", str(root / "sp"), "--vocab-size", str(vocab_size),
+                          "--num-threads", "1"])
+    return root / "sp.model"

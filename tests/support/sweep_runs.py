@@ -40,3 +40,12 @@ def write_run(root: Path, arm: str, seed: int, *, final_loss: float | None = Non
             steps=curve[-1][0], stopped_early=False, preempted=False, tokens_seen=0, skipped_steps=0,
             trainable_params=1000 - frozen, frozen_params=frozen))
     return run_dir
+
+
+def write_evaluation(run_dir: RunDir, name: str, summary: dict, higher_is_better: dict,
+                     per_layer: dict | None = None) -> Path:
+    """RUN/evaluations/<name>.json in the format every post-training evaluation writes."""
+    record = {"name": name, "checkpoint": "step00000020", "summary": summary, "higher_is_better": higher_is_better}
+    if per_layer is not None:
+        record["per_layer"] = per_layer
+    return run_dir.write_evaluation(record)

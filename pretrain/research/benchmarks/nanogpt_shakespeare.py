@@ -49,6 +49,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from pretrain.config import PRESETS
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 
@@ -113,7 +114,22 @@ def eval_interval(steps: int) -> int:
     return EVAL_INTERVAL if steps % EVAL_INTERVAL == 0 else steps
 
 
-def run_config(attention: str, steps: int, vocab: int, train_shards: Path, valid_shards: Path, tokenizer: Path) -> dict:
+# Ours as the recipe's comparison runs it ("lean": ZeRO-0, no TensorBoard, wandb or progress bar) or
+# with what pretrain/configs/tiny.yaml and the config's defaults give a user who sets nothing ("defaults").
+LEAN = {"deepspeed": {"zero_stage": 0, "precision": "fp32"},
+        "logging": {"wandb_mode": "disabled", "tensorboard": False, "progress": False}}
+SETTINGS = ("lean", "defaults")
+
+
+def settings_sections(settings: str) -> dict:
+    if settings == "lean":
+        return LEAN
+    tiny = yaml.safe_load((PRESETS / "tiny.yaml").read_text())
+    return {"deepspeed": tiny["deepspeed"], "logging": tiny["logging"]}
+
+
+def run_config(attention: str, steps: int, vocab: int, train_shards: Path, valid_shards: Path, tokenizer: Path,
+               settings: str = "lean") -> dict:
     from data_tools.manifest import blend_from_manifest
 
     def blend(shards: Path) -> list[dict]:
@@ -131,8 +147,7 @@ def run_config(attention: str, steps: int, vocab: int, train_shards: Path, valid
                       "decay_steps": steps, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip_grad": 1.0},
         "data": {"train_blend": blend(train_shards), "valid_blend": blend(valid_shards),
                  "test_blend": blend(valid_shards), "tokenizer": str(tokenizer)},
-        "deepspeed": {"zero_stage": 0, "precision": "fp32"},
-        "logging": {"wandb_mode": "disabled", "tensorboard": False, "progress": False},
+        **settings_sections(settings),
         "checkpoint": {"save_interval": steps, "keep_last": 1},
     }
 
@@ -215,22 +230,29 @@ def nanogpt_result(job: Job, steps: int) -> dict:
             "log": str(job.log)}
 
 
-def our_job(out_dir: Path, attention: str, config: dict) -> Job:
-    config_path = out_dir / f"{attention}.yaml"
+def our_name(attention: str, settings: str) -> str:
+    return f"ours ({attention})" if settings == "lean" else f"ours ({attention}, {settings})"
+
+
+def our_job(out_dir: Path, attention: str, settings: str, config: dict) -> Job:
+    stem = attention if settings == "lean" else f"{attention}_{settings}"
+    config_path = out_dir / f"{stem}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    run_dir = out_dir / f"run_{attention}"
+    run_dir = out_dir / f"run_{stem}"
     argv = [sys.executable, "-m", ENTRY_MODULE, "--config", str(config_path),
             "--run-dir", str(run_dir)]
-    return Job(f"ours ({attention})", argv, REPO, out_dir / f"{attention}.log", extra={"run_dir": run_dir})
+    return Job(our_name(attention, settings), argv, REPO, out_dir / f"{stem}.log",
+               extra={"run_dir": run_dir, "attention": attention, "settings": settings})
 
 
-def our_result(job: Job, attention: str) -> dict:
+def our_result(job: Job) -> dict:
     run_dir = RunDir(job.extra["run_dir"])
     summary = run_dir.read_summary()
     # step s is the s-th iteration (nanoGPT's iter s-1); its time excludes evaluation and checkpoints
     times = {r.step - 1: r.step_time_s for r in run_dir.read_records("train")}
     median_ms = steady_median_ms(times, skip=lambda i: False)
-    return {"name": f"ours ({attention})", "attention": attention, "median_iter_ms": median_ms,
+    return {"name": job.name, "attention": job.extra["attention"], "settings": job.extra["settings"],
+            "median_iter_ms": median_ms,
             "tokens_per_s": TOKENS_PER_ITER / median_ms * 1e3, "final_valid_loss": summary.final_valid_loss,
             "iterations": len(times), "process_wall_s": job.active_s, "trainable_params": summary.trainable_params,
             "frozen_params": summary.frozen_params, "run_dir": str(run_dir.path)}
@@ -243,6 +265,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench" / "shakespeare")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--attention", nargs="+", default=["vanilla", "ora"])
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=["lean"],
+                        help="ours with ZeRO-0 and logging off (lean), and/or as tiny.yaml configures it (defaults)")
     parser.add_argument("--slice", type=float, default=3.0,
                         help="seconds per turn when the runs alternate (0: one after the other)")
     args = parser.parse_args(argv)
@@ -250,8 +274,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = split_text(args.input.resolve())
     train_shards, valid_shards, tokenizer, vocab = prepare_data(parts, out_dir / "data")
-    jobs = [our_job(out_dir, attention, run_config(attention, args.steps, vocab, train_shards, valid_shards, tokenizer))
-            for attention in args.attention]
+    jobs = [our_job(out_dir, attention, settings,
+                    run_config(attention, args.steps, vocab, train_shards, valid_shards, tokenizer, settings))
+            for attention in args.attention for settings in args.settings]
     for job in jobs:  # a rerun starts afresh rather than resuming a finished run
         shutil.rmtree(job.extra["run_dir"], ignore_errors=True)
     ours = list(jobs)
@@ -266,7 +291,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    results = [our_result(job, attention) for job, attention in zip(ours, args.attention)]
+    results = [our_result(job) for job in ours]
     references = [nanogpt_result(job, args.steps) for job in nanogpt]
     reference, with_bias = references if references else (None, None)
     for r in results:
@@ -279,10 +304,10 @@ def main(argv=None) -> int:
               "nanogpt_bias": with_bias, "results": results,
               "command": " ".join([Path(sys.executable).name, *sys.argv])}
     (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'run':<16}{'ms/iter':>9}{'tokens/s':>10}{'× nanoGPT':>11}{'× +bias':>9}{'val loss':>10}{'wall s':>8}")
+    print(f"{'run':<28}{'ms/iter':>9}{'tokens/s':>10}{'× nanoGPT':>11}{'× +bias':>9}{'val loss':>10}{'wall s':>8}")
     for r in references + results:
         ratios = [f"{r[k]:.3f}" if r.get(k) else "-" for k in ("ratio_to_nanogpt", "ratio_to_nanogpt_bias")]
-        print(f"{r['name']:<16}{r['median_iter_ms']:>9.2f}{r['tokens_per_s']:>10,.0f}{ratios[0]:>11}{ratios[1]:>9}"
+        print(f"{r['name']:<28}{r['median_iter_ms']:>9.2f}{r['tokens_per_s']:>10,.0f}{ratios[0]:>11}{ratios[1]:>9}"
               f"{r['final_valid_loss']:>10.4f}{r['process_wall_s']:>8.1f}")
     print(f"median over iterations {WARMUP_ITERS}.. (nanoGPT's evaluation iterations left out), "
           f"turns of {args.slice} s, torch threads {torch.get_num_threads()}; results: {out_dir / 'results.json'}")

@@ -1,7 +1,8 @@
 """The statistical report of one or more sweep output directories (`python -m pretrain.research.sweep`'s
 --out: one run in each <arm>/seed<seed>/): report.md with per-arm final losses (mean ± std), paired
 tests against the reference arm (t-test and Wilcoxon, Holm-corrected; Cohen's d_z), convergence,
-stability, speed and memory, the same tables as CSV and JSON, and plots."""
+stability, speed and memory, the runs' post-training evaluations (RUN/evaluations/*.json) compared
+the same way, the tables as CSV and JSON, the main ones as LaTeX, and plots."""
 
 from __future__ import annotations
 

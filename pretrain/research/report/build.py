@@ -1,22 +1,28 @@
-"""Builds REPORT_DIR: report.md, one CSV per table, report.json (settings + every table) and three PNGs."""
+"""Builds REPORT_DIR: report.md, one CSV per table, report.json (settings + every table), the main
+tables as LaTeX (.tex), three PNGs and one per per-layer evaluation metric."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
 from pretrain.research.report import plots
+from pretrain.research.report.latex import escape, write_latex
 from pretrain.research.report.runs import (
+    Evaluation,
     ReportError,
     RunMeasures,
     SweepRun,
     discover_runs,
     exclusion_reason,
     measure_run,
+    read_evaluations,
 )
-from pretrain.research.report.stats import compare_paired, holm, spread
+from pretrain.research.report.stats import PairedComparison, compare_paired, holm, spread
 from pretrain.research.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
 
 # Measures averaged over an arm's seeds (mean and sample std of the per-seed values).
@@ -98,14 +104,100 @@ def arm_row(arm: str, measures: Sequence[RunMeasures]) -> dict:
     return row
 
 
-def comparison_rows(arms: Sequence[str], measures: Sequence[RunMeasures]) -> list[dict]:
-    """Each non-reference arm against arms[0] on the final validation loss, Holm across the arms per test."""
-    final = {arm: {m.seed: m.final_valid_loss for m in measures if m.arm == arm} for arm in arms}
-    rows = [{"arm": arm, **asdict(compare_paired(final[arm], final[arms[0]]))} for arm in arms[1:]]
-    for test in ("t_test_p", "wilcoxon_p"):
+HOLM_TESTS = ("t_test_p", "wilcoxon_p")
+MARK_KEY = "t_test_p_holm"  # the p-value whose significance the LaTeX tables mark
+
+
+def paired_rows(arms: Sequence[str], values: dict[str, dict[int, float]]) -> list[dict]:
+    """Each non-reference arm against arms[0] on one measure (arm → seed → value), Holm across the
+    arms per test."""
+    rows = [{"arm": arm, **asdict(compare_paired(values[arm], values[arms[0]]))} for arm in arms[1:]]
+    for test in HOLM_TESTS:
         for row, adjusted in zip(rows, holm([row[test] for row in rows])):
             row[f"{test}_holm"] = adjusted
     return rows
+
+
+def comparison_rows(arms: Sequence[str], measures: Sequence[RunMeasures]) -> list[dict]:
+    """Each non-reference arm against arms[0] on the final validation loss."""
+    return paired_rows(arms, {arm: {m.seed: m.final_valid_loss for m in measures if m.arm == arm} for arm in arms})
+
+
+def reference_comparison() -> dict:
+    """The comparison columns of the reference arm's own row: n/a."""
+    keys = [f.name for f in fields(PairedComparison)] + [f"{test}_holm" for test in HOLM_TESTS]
+    return {**dict.fromkeys(keys), "note": "reference"}
+
+
+# ---------------------------------------------------------------------------- evaluations
+
+RunKey = tuple[str, int]  # (arm, seed)
+
+
+def evaluation_metrics(runs: Sequence[SweepRun], evaluations: dict[RunKey, dict[str, Evaluation]]) -> dict:
+    """(evaluation, summary metric) → higher_is_better, by evaluation name, metrics in the order the
+    runs list them; a metric whose direction differs between runs is a ReportError."""
+    metrics: dict[tuple[str, str], bool] = {}
+    for run in runs:
+        for name, evaluation in evaluations[(run.arm, run.seed)].items():
+            for metric, higher in evaluation.higher_is_better.items():
+                if metrics.setdefault((name, metric), higher) != higher:
+                    raise ReportError(f"{run.run_dir.evaluation_file(name)}: higher_is_better.{metric} is {higher}, "
+                                      f"another run's {name} evaluation says {not higher}")
+    return dict(sorted(metrics.items(), key=lambda item: item[0][0]))
+
+
+def evaluation_rows(arms: Sequence[str], runs: Sequence[SweepRun],
+                    evaluations: dict[RunKey, dict[str, Evaluation]]) -> list[dict]:
+    """One row per evaluation, summary metric and arm: mean ± std over the arm's seeds with a value,
+    its runs without one (no file, or no number: missing, never 0), and the paired comparison
+    against arms[0] as for the final loss (Holm across the arms, per metric and test)."""
+    rows = []
+    for (name, metric), higher in evaluation_metrics(runs, evaluations).items():
+        values: dict[str, dict[int, float]] = {arm: {} for arm in arms}
+        missing: dict[str, list[int]] = {arm: [] for arm in arms}
+        for run in runs:
+            evaluation = evaluations[(run.arm, run.seed)].get(name)
+            value = None if evaluation is None else evaluation.summary.get(metric)
+            if value is None:
+                missing[run.arm].append(run.seed)
+            else:
+                values[run.arm][run.seed] = value
+        compared = {row["arm"]: row for row in paired_rows(arms, values)}
+        for arm in arms:
+            summary = spread(list(values[arm].values()))
+            rows.append({"evaluation": name, "metric": metric, "higher_is_better": higher,
+                         **compared.get(arm, reference_comparison()), "arm": arm, "seeds": summary.n,
+                         "missing": len(missing[arm]), "missing_seeds": ", ".join(map(str, missing[arm])),
+                         "mean": summary.mean, "std": summary.std})
+    return rows
+
+
+def per_layer_runs(arms: Sequence[str], runs: Sequence[SweepRun], evaluations: dict[RunKey, dict[str, Evaluation]]
+                   ) -> dict[tuple[str, str], dict[str, list[list]]]:
+    """(evaluation, per-layer metric) → arm → each of its runs' values by layer, by evaluation name."""
+    by_metric: dict[tuple[str, str], dict[str, list[list]]] = defaultdict(lambda: {arm: [] for arm in arms})
+    for run in runs:
+        for name, evaluation in evaluations[(run.arm, run.seed)].items():
+            for metric, values in evaluation.per_layer.items():
+                by_metric[(name, metric)][run.arm].append(values)
+    return dict(sorted(by_metric.items(), key=lambda item: item[0][0]))
+
+
+def layer_rows(by_metric: dict[tuple[str, str], dict[str, list[list]]]) -> list[dict]:
+    """One row per per-layer metric, arm and layer (1..L): mean ± std over the seeds with a value there."""
+    rows = []
+    for (name, metric), by_arm in by_metric.items():
+        for arm, runs in by_arm.items():
+            for layer in range(1, max((len(values) for values in runs), default=0) + 1):
+                summary = spread([values[layer - 1] for values in runs if len(values) >= layer])
+                rows.append({"evaluation": name, "metric": metric, "arm": arm, "layer": layer,
+                             "seeds": summary.n, "mean": summary.mean, "std": summary.std})
+    return rows
+
+
+def layer_plot_name(evaluation: str, metric: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"evaluation_{evaluation}_{metric}_by_layer") + ".png"
 
 
 # ---------------------------------------------------------------------------- tables
@@ -124,8 +216,10 @@ SEEDS = Column("seeds", ("seeds",), plain)
 
 
 def arms_table(rows: list[dict]) -> Table:
-    return Table("arms", [ARM, SEEDS, Column("seed list", ("seed_list",), plain),
-                          _spread_column("final valid loss", "final_valid_loss", mean_std(fixed(4))),
+    """`rows` carry the comparison's MARK_KEY, which marks the final loss in LaTeX."""
+    return Table("arms", [ARM, SEEDS, Column("seed list", ("seed_list",), plain, latex=False),
+                          Column("final valid loss", ("final_valid_loss_mean", "final_valid_loss_std"),
+                                 mean_std(fixed(4)), mark=MARK_KEY),
                           _spread_column("final valid ppl", "final_valid_ppl", mean_std(fixed(2)))], rows)
 
 
@@ -133,10 +227,34 @@ def comparison_table(rows: list[dict]) -> Table:
     p = significant(4)
     return Table("comparison", [
         ARM, Column("pairs", ("pairs",), plain),
-        Column("mean diff (arm − ref)", ("mean_difference",), fixed(4)),
-        Column("t-test p", ("t_test_p",), p), Column("t-test p (Holm)", ("t_test_p_holm",), p),
-        Column("Wilcoxon p", ("wilcoxon_p",), p), Column("Wilcoxon p (Holm)", ("wilcoxon_p_holm",), p),
-        Column("Cohen's d_z", ("cohens_dz",), fixed(3)), Column("note", ("note",), plain)], rows)
+        Column("mean diff (arm − ref)", ("mean_difference",), fixed(4), mark=MARK_KEY),
+        Column("t-test p", ("t_test_p",), p, latex=False), Column("t-test p (Holm)", ("t_test_p_holm",), p),
+        Column("Wilcoxon p", ("wilcoxon_p",), p, latex=False),
+        Column("Wilcoxon p (Holm)", ("wilcoxon_p_holm",), p),
+        Column("Cohen's d_z", ("cohens_dz",), fixed(3)), Column("note", ("note",), plain, latex=False)], rows)
+
+
+def evaluations_table(rows: list[dict]) -> Table:
+    p = significant(4)
+    return Table("evaluations", [
+        Column("evaluation", ("evaluation",), plain), Column("metric", ("metric",), plain),
+        Column("better", ("higher_is_better",), lambda higher: "higher" if higher else "lower"),
+        ARM, SEEDS, Column("missing", ("missing", "missing_seeds"), lambda n, seeds: f"{n} ({seeds})" if n else "0"),
+        Column("mean ± std", ("mean", "std"), mean_std(significant(4)), mark=MARK_KEY),
+        Column("pairs", ("pairs",), plain, latex=False),
+        Column("mean diff (arm − ref)", ("mean_difference",), significant(4)),
+        Column("t-test p", ("t_test_p",), p, latex=False), Column("t-test p (Holm)", ("t_test_p_holm",), p),
+        Column("Wilcoxon p", ("wilcoxon_p",), p, latex=False),
+        Column("Wilcoxon p (Holm)", ("wilcoxon_p_holm",), p),
+        Column("Cohen's d_z", ("cohens_dz",), fixed(3)), Column("note", ("note",), plain, latex=False)], rows)
+
+
+def layers_table(rows: list[dict]) -> Table:
+    """The numbers behind the per-layer plots (CSV and JSON only)."""
+    return Table("evaluation_layers", [
+        Column("evaluation", ("evaluation",), plain), Column("metric", ("metric",), plain), ARM,
+        Column("layer", ("layer",), plain), SEEDS, Column("mean ± std", ("mean", "std"), mean_std(significant(4)))],
+                 rows)
 
 
 def convergence_table(rows: list[dict]) -> Table:
@@ -189,6 +307,22 @@ def not_used_table(rows: list[dict]) -> Table:
 # ---------------------------------------------------------------------------- the report
 
 
+def latex_captions(reference: str) -> dict[str, str]:
+    """The tables written as LaTeX, with their captions."""
+    ref = rf"\texttt{{{escape(reference)}}}"
+    per_arm = r"mean $\pm$ sample std over seeds"
+    marks = f"Marks: paired t-test against {ref}, Holm-corrected across arms"
+    return {
+        "arms": f"Final validation loss and perplexity per arm, {per_arm}. {marks}.",
+        "comparison": (f"Paired comparison against {ref} on the final validation loss (difference: arm $-$ "
+                       f"reference over the seeds both have; p-values Holm-corrected across arms). {marks}."),
+        "convergence": f"Convergence and stability per arm, {per_arm}.",
+        "cost": f"Speed, memory and parameters per arm, {per_arm}.",
+        "evaluations": (f"Post-training evaluations per arm, {per_arm} with a value (missing: runs without "
+                        f"one). {marks}, per metric."),
+    }
+
+
 def definitions(settings: Settings) -> str:
     k = settings.last_k
     return f"""\
@@ -227,12 +361,34 @@ def definitions(settings: Settings) -> str:
 - Plots: `{plots.VALID_CURVES}` mean validation loss over the seeds evaluated at each step, band
   min–max over those seeds; `{plots.FINAL_LOSS}` each seed (grey) and mean ± sample std;
   `{plots.SPEED_MEMORY}` bars at the mean over seeds with ± sample std error bars.
+- Post-training evaluations: each run's `evaluations/<name>.json` (`summary` metrics with
+  `higher_is_better`, optional `per_layer` lists). Per arm and metric: mean ± sample std over the
+  seeds with a number; a run in the statistics without the file, the metric or a finite number is
+  counted under "missing" with its seed, never as 0. Paired comparison against the reference as for
+  the final loss (difference = arm − reference: positive is better where higher is better), Holm
+  across the non-reference arms separately for each metric and test. Per-layer plots: mean over the
+  seeds with a value at each layer, band min–max; their numbers are in `evaluation_layers.csv`.
 - Tables as data: `<table>.csv` (n/a written as `n/a`) and `report.json` (settings and every table;
   n/a is null), full precision; the Markdown rounds.
+- LaTeX: `arms.tex`, `comparison.tex`, `convergence.tex`, `cost.tex`, `evaluations.tex` (booktabs;
+  mean ± std as in the Markdown). A value marked `*` has a Holm-adjusted paired t-test p < 0.05 against
+  the reference, `**` p < 0.01 (the Wilcoxon test cannot reach 0.05 with 5 pairs).
 """
 
 
-def markdown(settings: Settings, sweep: Sweep, tables: dict[str, Table]) -> str:
+def evaluations_markdown(sweep: Sweep, evaluations: dict[RunKey, dict[str, Evaluation]], table: Table,
+                         layer_plots: dict[tuple[str, str], str]) -> str:
+    names = sorted({name for found in evaluations.values() for name in found})
+    if not names:
+        return f"None: no run in the statistics has an `evaluations/<name>.json` file ({len(sweep.used)} runs)."
+    counts = ", ".join(f"`{name}` {sum(name in evaluations[(r.arm, r.seed)] for r in sweep.used)} of "
+                       f"{len(sweep.used)}" for name in names)
+    plots_text = "".join(f"\n\n![{name}: {metric} by layer]({file})" for (name, metric), file in layer_plots.items())
+    return (f"Runs in the statistics with each evaluation file: {counts}. Per arm and metric: mean ± std over "
+            f"the seeds with a value; missing: runs without one (their seeds).\n\n{table.markdown()}{plots_text}")
+
+
+def markdown(settings: Settings, sweep: Sweep, tables: dict[str, Table], evaluations_text: str) -> str:
     inputs = ", ".join(f"`{p}`" for p in settings.inputs)
     target = NA if settings.target_loss is None else f"{settings.target_loss:.4f}"
     not_used = tables["not_used"].markdown() if tables["not_used"].rows else "None."
@@ -259,6 +415,10 @@ Last k: {settings.last_k}.
 ## Speed, memory and parameters
 
 {tables["cost"].markdown()}
+
+## Post-training evaluations
+
+{evaluations_text}
 
 ## Runs not in the statistics
 
@@ -294,19 +454,32 @@ def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
     target, source = choose_target(target_loss, reference, reference_final)
     settings = Settings([str(p) for p in inputs], reference, target, source, last_k)
     measures = [measure_run(run, target, last_k) for run in sweep.used]
+    evaluations = {(run.arm, run.seed): read_evaluations(run.run_dir) for run in sweep.used}
+    by_layer = per_layer_runs(sweep.arms, sweep.used, evaluations)
     arm_rows = [arm_row(arm, [m for m in measures if m.arm == arm]) for arm in sweep.arms]
-    tables = {t.name: t for t in (arms_table(arm_rows), comparison_table(comparison_rows(sweep.arms, measures)),
-                                  convergence_table(arm_rows), cost_table(arm_rows), runs_table(measures),
+    comparison = comparison_rows(sweep.arms, measures)
+    marks = {row["arm"]: row[MARK_KEY] for row in comparison}
+    for row in arm_rows:
+        row[MARK_KEY] = marks.get(row["arm"])
+    tables = {t.name: t for t in (arms_table(arm_rows), comparison_table(comparison),
+                                  convergence_table(arm_rows), cost_table(arm_rows),
+                                  evaluations_table(evaluation_rows(sweep.arms, sweep.used, evaluations)),
+                                  layers_table(layer_rows(by_layer)), runs_table(measures),
                                   not_used_table(sweep.not_used))}
     out.mkdir(parents=True, exist_ok=True)
     for table in tables.values():
         table.write_csv(out)
+    for name, caption in latex_captions(reference).items():
+        write_latex(tables[name], out, caption)
     document = {"settings": asdict(settings), "tables": {name: t.records() for name, t in tables.items()}}
     (out / "report.json").write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
     plots.plot_valid_curves(sweep.arms, measures, out / plots.VALID_CURVES)
     plots.plot_final_loss(sweep.arms, measures, out / plots.FINAL_LOSS)
     plots.plot_speed_memory(sweep.arms, measures, out / plots.SPEED_MEMORY)
+    layer_plots = {key: layer_plot_name(*key) for key in by_layer}
+    for (name, metric), by_arm in by_layer.items():
+        plots.plot_by_layer(sweep.arms, by_arm, f"{name} {metric}", out / layer_plots[(name, metric)])
     report = out / "report.md"
-    report.write_text(markdown(settings, sweep, tables))
+    report.write_text(markdown(settings, sweep, tables,
+                               evaluations_markdown(sweep, evaluations, tables["evaluations"], layer_plots)))
     return report
-

@@ -1,16 +1,19 @@
-"""The report's three PNGs, drawn on matplotlib Figures (Agg canvas, no pyplot state).
+"""The report's PNGs, drawn on matplotlib Figures (Agg canvas, no pyplot state): validation curves,
+final loss, speed and memory, and each per-layer evaluation metric by layer.
 
-Every arm appears on every plot's axis, finished seeds or not; an arm without one has no mark.
+Every arm appears on every per-arm plot's axis, finished seeds or not; an arm without one has no
+mark. An arm without values has no line on a curve plot.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from pretrain.research.report.runs import RunMeasures
 from pretrain.research.report.stats import spread
@@ -26,6 +29,18 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
+def _mean_with_band(axes, label: str, values_at: dict[float, list[float]], marker: Optional[str] = None) -> None:
+    """A line through the mean of the values at each x, in a band from their minimum to their maximum
+    (nothing without values)."""
+    xs = sorted(x for x, values in values_at.items() if values)
+    if not xs:
+        return
+    per_x = [values_at[x] for x in xs]
+    line, = axes.plot(xs, [sum(v) / len(v) for v in per_x], label=label, marker=marker)
+    axes.fill_between(xs, [min(v) for v in per_x], [max(v) for v in per_x],
+                      color=line.get_color(), alpha=0.2, linewidth=0)
+
+
 def plot_valid_curves(arms: Sequence[str], measures: Sequence[RunMeasures], path: Path) -> Path:
     """Per arm: mean validation loss over the seeds evaluated at each step, in a band from their
     minimum to their maximum."""
@@ -37,14 +52,28 @@ def plot_valid_curves(arms: Sequence[str], measures: Sequence[RunMeasures], path
             if m.arm == arm:
                 for step, loss in m.valid_curve:
                     losses_by_step[step].append(loss)
-        steps = sorted(losses_by_step)
-        if not steps:
-            continue
-        per_step = [losses_by_step[s] for s in steps]
-        line, = axes.plot(steps, [sum(v) / len(v) for v in per_step], label=arm)
-        axes.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
-                          color=line.get_color(), alpha=0.2, linewidth=0)
+        _mean_with_band(axes, arm, losses_by_step)
     axes.set(xlabel="step", ylabel="validation loss", title="Validation loss: mean over seeds, band min–max")
+    if axes.lines:
+        axes.legend()
+    return _save(figure, path)
+
+
+def plot_by_layer(arms: Sequence[str], runs_by_arm: dict[str, list[list[Optional[float]]]], metric: str,
+                  path: Path) -> Path:
+    """Per arm: the metric's mean over the seeds at each layer (1..L), in a band from their minimum
+    to their maximum; a seed's missing value (None) at a layer is left out there."""
+    figure = Figure(figsize=(8, 5))
+    axes = figure.subplots()
+    for arm in arms:
+        values_at: dict[int, list[float]] = defaultdict(list)
+        for values in runs_by_arm.get(arm, []):
+            for layer, value in enumerate(values, 1):
+                if value is not None:
+                    values_at[layer].append(value)
+        _mean_with_band(axes, arm, values_at, marker="o")  # layers are discrete
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set(xlabel="layer", ylabel=metric, title=f"{metric} by layer: mean over seeds, band min–max")
     if axes.lines:
         axes.legend()
     return _save(figure, path)

@@ -6,6 +6,7 @@ the interruption; the last record of each step is the one kept.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -196,3 +197,53 @@ def measure_run(run: SweepRun, target: Optional[float], last_k: int) -> RunMeasu
         train_seconds=training_seconds_until(train, summary.steps),
         trainable_params=summary.trainable_params, frozen_params=summary.frozen_params,
         valid_curve=[(r.step, r.loss) for r in valid])
+
+
+# ---------------------------------------------------------------------------- post-training evaluations
+
+
+@dataclass
+class Evaluation:
+    """One RUN/evaluations/<name>.json: its scalars (None where it has no finite number) and, for
+    some, a value per layer (1..L)."""
+
+    name: str
+    summary: dict[str, Optional[float]]
+    higher_is_better: dict[str, bool]
+    per_layer: dict[str, list[Optional[float]]]
+
+
+def _number(value, path: Path, key: str) -> Optional[float]:
+    """A finite number, None for null or a non-finite one (never 0); anything else is a ReportError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReportError(f"{path}: {key} is {value!r}, not a number or null")
+    return float(value) if math.isfinite(value) else None
+
+
+def read_evaluation(path: Path) -> Evaluation:
+    """An evaluation file; a ReportError names the file and what is wrong with it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{path}: not a readable JSON evaluation ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("summary"), dict):
+        raise ReportError(f"{path}: no 'summary' mapping of metric → number")
+    summary, directions, per_layer = data["summary"], data.get("higher_is_better"), data.get("per_layer") or {}
+    if (not isinstance(directions, dict) or set(directions) != set(summary)
+            or not all(isinstance(v, bool) for v in directions.values())):
+        raise ReportError(f"{path}: 'higher_is_better' must give true or false for exactly the summary's metrics")
+    if not isinstance(per_layer, dict) or not all(isinstance(v, list) for v in per_layer.values()):
+        raise ReportError(f"{path}: 'per_layer' must map each metric to a list (one value per layer)")
+    return Evaluation(
+        name=path.stem,
+        summary={metric: _number(value, path, f"summary.{metric}") for metric, value in summary.items()},
+        higher_is_better=dict(directions),
+        per_layer={metric: [_number(v, path, f"per_layer.{metric}[{i}]") for i, v in enumerate(values)]
+                   for metric, values in per_layer.items()})
+
+
+def read_evaluations(run_dir: RunDir) -> dict[str, Evaluation]:
+    """Every evaluations/<name>.json of the run, by name (none: an empty mapping)."""
+    return {path.stem: read_evaluation(path) for path in sorted(run_dir.evaluations.glob("*.json"))}

@@ -1,7 +1,9 @@
-"""A report table: rows of raw values, written as a Markdown table, a CSV file and JSON rows.
+"""A report table: rows of raw values, written as a Markdown table, a LaTeX table (latex.py), a CSV
+file and JSON rows.
 
 The CSV and JSON hold each value at full precision under its key (n/a: "n/a" in CSV, null in
-JSON); a Markdown column renders one or more keys of a row into one cell (mean ± std).
+JSON); a column renders one or more keys of a row into one cell (mean ± std), the same text in
+Markdown and LaTeX.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ NA = "n/a"
 class Column:
     header: str
     keys: tuple[str, ...]
-    render: Callable[..., str]  # the row's values under `keys` → the Markdown cell
+    render: Callable[..., str]  # the row's values under `keys` → the cell
+    mark: Optional[str] = None  # key of the row's Holm-adjusted p-value: LaTeX marks the cell when significant
+    latex: bool = True  # shown in the LaTeX table (the paper's selection of columns)
 
 
 @dataclass

@@ -16,6 +16,7 @@ A spec (pretrain/experiments/*.yaml; a top-level `base: other.yaml` inherits as 
     arms:
       vanilla: {description: trainable Q/K/V, set: {model.attention.type: vanilla}}
       wide: {set: {...}, scales: {cpu: {model.hidden_size: 256}, paper: {model.hidden_size: 1024}}}
+    evaluations: [attention, probe]   # optional: run on every run after it trains, in this order
 
 Each run is the config with, in this order, the scale's `set`, the arm's `set`, the arm's own
 overrides at that scale, the command line's `--set`, then the seed, as `--set key=value` arguments
@@ -45,19 +46,34 @@ sweep killed with SIGKILL without being started twice, and if it completes alone
 invocation records it as finished. A restarted run gets the same command; pretrain_ora.py resumes
 the run dir from its checkpoint. SIGTERM/SIGINT stop the sweep: no new run starts, running ones
 are sent SIGTERM (they checkpoint and exit) and stay "running" in their record, so the next
-invocation resumes them. The sweep exits 0 when every run is finished, 1 when some are not, 2 on
-an invalid spec or config or a run to start without its data, 128 + N on signal N.
+invocation resumes them. The sweep exits 0 when every run and every evaluation the spec lists is
+finished, 1 when some are not, 2 on an invalid spec or config or a run to start without its data,
+128 + N on signal N.
+
+Evaluations: `attention` runs `python -m pretrain.research.analyze --run-dir RUN`, `probe` runs
+`python -m pretrain.research.probes --run-dir RUN`; each writes RUN/evaluations/<name>.json from the
+run's latest checkpoint (downstream tasks read a Hugging Face export, which a sweep does not make:
+they are not run by sweeps). A run's evaluations start as its training finishes, one after the
+other, holding the run dir's lock and appending to its sweep.log. The file is the result: an
+evaluation is finished when its file exists, and otherwise failed when `experiment.yaml`'s
+`evaluations` records it so (exit code, log tail; an exit 0 without the file is a failure too),
+pending otherwise. A failed evaluation leaves the training finished and does not stop the next one;
+a later invocation runs the pending evaluations of finished runs without training them again (and
+the failed ones with --retry-failed); an evaluation stopped by SIGTERM/SIGINT stays pending.
 
 `--dry-run` prints, for every run, its state and what this invocation would do with it, decided
 by the same code as a real invocation (including the warning about finished runs whose config
-changed, and the refusal, status 2, when a run to start has no data); it writes nothing.
+changed, and the refusal, status 2, when a run to start has no data), then each of its evaluations'
+state and command; it writes nothing.
 
-`--emit commands` prints one shell-quoted entry-point command per run. `--emit slurm` writes
-OUT/sweep.sbatch, an array job whose task i calls this command with `--task i`: it runs run i
-through `launch/pretrain_ora.sh CONFIG --set ...` (RUN_DIR, NNODES, GPUS_PER_NODE in its
-environment) with the same records, skips and locks as a local run.
+`--emit commands` prints one shell-quoted entry-point command per run, each followed by its
+evaluations' commands. `--emit slurm` writes OUT/sweep.sbatch, an array job whose task i calls this
+command with `--task i`: it runs run i through `launch/pretrain_ora.sh CONFIG --set ...` (RUN_DIR,
+NNODES, GPUS_PER_NODE in its environment), then its evaluations, with the same records, skips and
+locks as a local run.
 
-spec.py reads a spec and expands it into runs, state.py reads each run's state back and plans an
-invocation (the dry run's plan too) and writes the records, runner.py starts the runs and sees them
-end, slurm.py writes the array job and runs its tasks, __main__.py is the command.
+spec.py reads a spec and expands it into runs, state.py reads each run's and evaluation's state back
+and plans an invocation (the dry run's plan too) and writes the records, runner.py starts the
+trainings and evaluations and sees them end, slurm.py writes the array job and runs its tasks,
+__main__.py is the command.
 """

@@ -56,8 +56,9 @@ def sweep_arguments(args: argparse.Namespace, spec_path: Path, out: Path) -> lis
 
 
 def emit(args: argparse.Namespace, runs: list[Run], spec_path: Path, out: Path) -> int:
-    if args.emit == "commands":
-        print("\n".join(shlex.join(run.local_command()) for run in runs))
+    if args.emit == "commands":  # each run's training, then its evaluations
+        print("\n".join(shlex.join(command) for run in runs for command in
+                        [run.local_command(), *(run.evaluation_command(name) for name in run.spec.body.evaluations)]))
         return EXIT_ALL_FINISHED
     script = write_script(runs, sweep_arguments(args, spec_path, out), out)
     print(f"wrote {script} ({len(runs)} array tasks): sbatch {shlex.quote(str(script))}")
@@ -65,18 +66,21 @@ def emit(args: argparse.Namespace, runs: list[Run], spec_path: Path, out: Path) 
 
 
 def run_locally(args: argparse.Namespace, runs: list[Run]) -> int:
-    starting, signum = plan(runs, args.retry_failed), None
+    tasks, signum = plan(runs, args.retry_failed), None
     if args.dry_run:
-        print(plan_text(runs, starting))
+        print(plan_text(runs, tasks))
         return EXIT_ALL_FINISHED
     record_orphans_that_completed(runs)
-    if not starting:
-        print(f"nothing to start: none of the {len(runs)} runs is pending or interrupted"
-              f"{'' if args.retry_failed else ' (failed runs start again with --retry-failed)'}")
+    if not tasks:
+        print(f"nothing to start: none of the {len(runs)} runs is pending or interrupted, no evaluation is pending"
+              f"{'' if args.retry_failed else ' (failed runs and evaluations start again with --retry-failed)'}")
     else:
-        print(f"starting {len(starting)} of {len(runs)} runs, {args.jobs} at a time", flush=True)
+        trainings = sum(task.train for task in tasks)
+        evaluations = sum(len(task.evaluations) for task in tasks)
+        print(f"starting {trainings} of {len(runs)} runs and {evaluations} evaluations, {args.jobs} at a time",
+              flush=True)
         env = run_env(args.jobs)
-        signum = execute(starting, args.jobs, lambda run: (run.local_command(), env))
+        signum = execute(tasks, args.jobs, env, lambda run: (run.local_command(), env))
     print(status_table(runs))
     return exit_status(runs, signum)
 

@@ -1,5 +1,5 @@
 """A sweep as a SLURM array job: OUT/sweep.sbatch, whose task i runs run i (`--task i`) through
-launch/pretrain_ora.sh with the same records, skips and locks as a local sweep."""
+launch/pretrain_ora.sh, then its evaluations, with the same records, skips and locks as a local sweep."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from pretrain.config import REPO
 from pretrain.research.sweep.runner import execute, exit_status
 from pretrain.research.sweep.spec import Run, SweepError
-from pretrain.research.sweep.state import record_orphans_that_completed, run_state, to_start
+from pretrain.research.sweep.state import record_orphans_that_completed, run_state, tasks_of
 
 LAUNCH_SCRIPT = REPO / "launch" / "pretrain_ora.sh"
 SCRIPT_NAME = "sweep.sbatch"
@@ -58,14 +58,16 @@ def write_script(runs: list[Run], sweep_args: list[tuple[str, ...]], out: Path) 
 
 def run_task(runs: list[Run], task: int, retry_failed: bool) -> int:
     """Array task `task`: run that run through the launch script unless it is finished (or failed,
-    without retry_failed) or running elsewhere; returns the sweep's exit status for it."""
+    without retry_failed) or running elsewhere, then its pending evaluations; returns the sweep's
+    exit status for it."""
     if not 0 <= task < len(runs):
         raise SweepError(f"--task {task}: the sweep has runs 0..{len(runs) - 1}")
     run, signum = runs[task], None
     record_orphans_that_completed([run])
-    if not to_start([run], retry_failed):
+    tasks = tasks_of([run], retry_failed)
+    if not tasks:
         print(f"{run.experiment_id}: {run_state(run)}, nothing to do")
     else:
         command, env = launch_command(run)
-        signum = execute([run], 1, lambda _: (command, {**os.environ, **env}))
+        signum = execute(tasks, 1, dict(os.environ), lambda _: (command, {**os.environ, **env}))
     return exit_status([run], signum)

@@ -20,6 +20,10 @@ DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # the research plan's seeds for
 SEED_KEYS = ("model.seed", "data.seed")
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LOG_NAME = "sweep.log"
+# The post-training evaluations a spec may list: each is the command (after the interpreter) that
+# writes RUN/evaluations/<name>.json of the run dir given with --run-dir. The downstream tasks read
+# a Hugging Face export, which a sweep does not make: they are run by hand.
+EVALUATIONS = {"attention": ["-m", "pretrain.research.analyze"], "probe": ["-m", "pretrain.research.probes"]}
 
 
 class SweepError(Exception):
@@ -60,6 +64,8 @@ class SweepSpec:
     seeds: list[int] = field(default_factory=lambda: list(DESIGN_SEEDS))
     scales: dict[str, ScaleSpec] = field(default_factory=dict)
     arms: dict[str, ArmSpec] = field(default_factory=dict)
+    evaluations: list[str] = field(default_factory=list)
+    """Post-training evaluations of every run, in order, after it trains (attention, probe)."""
 
     def validate(self, key: str) -> None:
         check(bool(self.config), "config", "name the run config (a preset name or a path)")
@@ -71,6 +77,10 @@ class SweepSpec:
                   "letters, digits, '_', '.', '-'")
             unknown = sorted(set(arm.scales) - set(self.scales))
             check(not unknown, f"arms.{name}.scales", f"unknown scales {unknown} (the spec has {list(self.scales)})")
+        for name in self.evaluations:
+            check(name in EVALUATIONS, "evaluations", f"unknown evaluation {name!r} (a sweep runs "
+                  f"{', '.join(EVALUATIONS)}; downstream reads a Hugging Face export and runs by hand)")
+        check(len(set(self.evaluations)) == len(self.evaluations), "evaluations", "each evaluation at most once")
 
 
 @dataclass
@@ -130,6 +140,9 @@ class Run:
         return [sys.executable, "-m", ENTRY_MODULE, "--config", str(self.spec.config_path), "--run-dir",
                 str(self.run_dir.path), "--nproc-per-node", str(self.scale.processes_per_node), *self.set_flags()]
 
+    def evaluation_command(self, name: str) -> list[str]:
+        """The evaluation that writes this run's evaluations/<name>.json (of its latest checkpoint)."""
+        return [sys.executable, *EVALUATIONS[name], "--run-dir", str(self.run_dir.path)]
 
 
 def expand(spec: Spec, scale_name: str, seeds: Optional[list[int]], extra: list[str], out: Path) -> list[Run]:

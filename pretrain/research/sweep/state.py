@@ -6,9 +6,11 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import shlex
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -44,15 +46,58 @@ def to_start(runs: list[Run], retry_failed: bool) -> list[Run]:
     return [run for run in runs if run_state(run) in startable]
 
 
-def plan(runs: list[Run], retry_failed: bool) -> list[Run]:
+def evaluation_state(run: Run, name: str) -> str:
+    """finished (its evaluations/<name>.json exists), failed (recorded so, no file) or pending."""
+    if run.run_dir.evaluation_file(name).exists():
+        return "finished"
+    record = run.run_dir.read_experiment()
+    entry = record.evaluations.get(name) if record is not None else None
+    return "failed" if entry is not None and entry["status"] == "failed" else "pending"
+
+
+@dataclass
+class Task:
+    """What an invocation does in one run dir, in order: train it (unless it is finished), then run
+    the spec's evaluations that are not finished, each in turn."""
+
+    run: Run
+    train: bool
+    evaluations: list[str]
+
+    def after(self, state: str) -> Optional["Task"]:
+        """What is left once the first step ended in `state`: the evaluations follow a finished
+        training; a failed evaluation does not stop the next one."""
+        rest = self.evaluations if self.train else self.evaluations[1:]
+        if not rest or (self.train and state != "finished"):
+            return None
+        return Task(self.run, False, rest)
+
+
+def tasks_of(runs: list[Run], retry_failed: bool) -> list[Task]:
+    """The runs to start, each with the evaluations to run after it, and the finished runs' evaluations
+    that are pending (or failed, with retry_failed), in the runs' order."""
+    starting = {run.experiment_id for run in to_start(runs, retry_failed)}
+    runnable = {"pending"} | ({"failed"} if retry_failed else set())
+    tasks = []
+    for run in runs:
+        states = {name: evaluation_state(run, name) for name in run.spec.body.evaluations}
+        if run.experiment_id in starting:  # a fresh training: every evaluation without a file follows it
+            tasks.append(Task(run, True, [name for name, state in states.items() if state != "finished"]))
+        elif run_state(run) == "finished" and any(state in runnable for state in states.values()):
+            tasks.append(Task(run, False, [name for name, state in states.items() if state in runnable]))
+    return tasks
+
+
+def plan(runs: list[Run], retry_failed: bool) -> list[Task]:
     """What an invocation decides before it starts anything, for the real run and the dry run
-    alike: warn about finished runs whose config changed, choose the runs to start, and check
-    their data (SweepError). Returns the runs to start."""
+    alike: warn about finished runs whose config changed, choose the runs to start and the
+    evaluations to run, and check the data of the runs to start (SweepError). Returns the tasks."""
     warn_changed_configs(runs)
-    starting = to_start(runs, retry_failed)
+    tasks = tasks_of(runs, retry_failed)
+    starting = [task.run for task in tasks if task.train]
     if starting:
         check_run_data(starting)
-    return starting
+    return tasks
 
 
 def check_run_data(runs: list[Run]) -> None:
@@ -157,8 +202,20 @@ def _duration(hours: Optional[float]) -> str:
     return f"{seconds:.0f} s" if seconds < 3600 else f"{hours:.2f} h"
 
 
+def evaluations_text(run: Run) -> str:
+    """Each of the spec's evaluations and its state, "failed (exit code)" when it failed."""
+    record, cells = run.run_dir.read_experiment(), []
+    for name in run.spec.body.evaluations:
+        state = evaluation_state(run, name)
+        if state == "failed":
+            state = f"failed ({record.evaluations[name]['exit_code']})"
+        cells.append(f"{name} {state}")
+    return ", ".join(cells)
+
+
 def status_table(runs: list[Run]) -> str:
-    rows = [("arm", "seed", "status", "val loss", "time")]
+    evaluations = bool(runs) and bool(runs[0].spec.body.evaluations)
+    rows = [("arm", "seed", "status", "val loss", "time") + (("evaluations",) if evaluations else ())]
     for run in runs:
         record, state = run.run_dir.read_experiment(), run_state(run)
         results = record.results if record is not None else {}
@@ -166,21 +223,29 @@ def status_table(runs: list[Run]) -> str:
             state = f"failed ({record.exit_code})"
         reference = " (ref)" if run.arm == run.spec.body.reference else ""
         rows.append((run.arm + reference, str(run.seed), state, loss_text(results.get("final_val_loss")),
-                     _duration(results.get("training_time_hours"))))
+                     _duration(results.get("training_time_hours")))
+                    + ((evaluations_text(run),) if evaluations else ()))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-def plan_text(runs: list[Run], starting: list[Run]) -> str:
-    """Each run's state and what plan() decided for it."""
+def plan_text(runs: list[Run], tasks: list[Task]) -> str:
+    """Each run's state and what plan() decided for it, then each of its evaluations' with the command."""
     started = {"pending": "start", "interrupted": "restart (resumes its checkpoint)", "failed": "retry"}
     skipped = {"finished": "skip", "running": "skip (running elsewhere)",
                "failed": "skip (failed; --retry-failed reruns it)"}
-    starting_ids = {run.experiment_id for run in starting}
+    planned = {task.run.experiment_id: task for task in tasks}
     lines = []
     for run in runs:
-        state = run_state(run)
-        action = started[state] if run.experiment_id in starting_ids else skipped[state]
-        lines.append(f"{run.experiment_id}: {state} -> {action}")
+        state, task = run_state(run), planned.get(run.experiment_id)
+        lines.append(f"{run.experiment_id}: {state} -> {started[state] if task and task.train else skipped[state]}")
+        for name in run.spec.body.evaluations:
+            evaluation = evaluation_state(run, name)
+            if task is not None and name in task.evaluations:
+                action = f"{'after the training, ' if task.train else ''}run {shlex.join(run.evaluation_command(name))}"
+            elif evaluation == "pending":
+                action = "wait for the training"
+            else:
+                action = skipped[evaluation]
+            lines.append(f"{run.experiment_id} evaluation {name}: {evaluation} -> {action}")
     return "\n".join(lines)
-

@@ -187,3 +187,18 @@ def test_stage_list_holds_the_same_parameters_as_gpt_model(case):
         return sorted((tuple(p.shape), p.requires_grad) for p in module.parameters())
 
     assert shapes(gpt) == shapes(staged)
+
+
+@pytest.mark.parametrize("family, activation_fused", [("gpt2", False), ("llama", True)])
+def test_megatron_fusions_on_gpus_keep_the_model_the_same(monkeypatch, family, activation_fused):
+    """On a GPU, megatron-core's fused bias-dropout-add and gated SiLU compute what the unfused ops
+    do; its fused GELU is the tanh approximation, so the gpt2 family (exact GELU) keeps it off."""
+    from ora_megatron.builder import transformer_config
+
+    model = tiny_model("ora_qr", family)
+    on_cpu = transformer_config(model, ParallelConfig())
+    assert not on_cpu.bias_dropout_fusion and not on_cpu.bias_activation_fusion
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = transformer_config(model, ParallelConfig())  # megatron validates the combination
+    assert on_gpu.bias_dropout_fusion
+    assert on_gpu.bias_activation_fusion == activation_fused

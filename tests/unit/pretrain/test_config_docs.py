@@ -57,7 +57,7 @@ def test_undocumented_field_is_detected():
 def test_types_and_defaults_are_readable():
     rows = {line.split(" | ")[0]: line for line in render(RunConfig).splitlines() if line.startswith("| `")}
     assert "| optional int | `null` |" in rows["| `decay_steps`"]
-    assert "| one of: cosine, linear, constant | `cosine` |" in rows["| `decay_style`"]
+    assert "| one of: cosine, linear, constant, cosine_restarts, polynomial | `cosine` |" in rows["| `decay_style`"]
     assert "| list of int | `[]` |" in rows["| `inject_nonfinite_loss_steps`"]
     assert "| str | required |" in rows["| `path`"]
     assert "[model.attention](#modelattention)" in rows["| `attention`"]
@@ -66,12 +66,12 @@ def test_types_and_defaults_are_readable():
 # ------------------------------------------------------------------ presets
 
 
-@pytest.mark.parametrize("name, layers, width, heads, ffn, steps, lr, min_lr_ratio, warmup", [
-    ("small", 6, 512, 8, 2048, 100_000, 5e-4, 0.1, 4000),
-    ("base", 12, 768, 12, 3072, 300_000, 3e-4, 0.1, 8000),
-    ("large", 24, 1024, 16, 4096, 500_000, 2e-4, 0.05, 12000),
+@pytest.mark.parametrize("name, layers, width, heads, ffn, steps, lr, min_lr_ratio, warmup, schedule", [
+    ("small", 6, 512, 8, 2048, 100_000, 5e-4, 0.1, 4000, ("cosine", None, 1.0, 1.0)),
+    ("base", 12, 768, 12, 3072, 300_000, 3e-4, 0.1, 8000, ("cosine_restarts", 73_000, 1.0, 1.0)),
+    ("large", 24, 1024, 16, 4096, 500_000, 2e-4, 0.05, 12000, ("polynomial", None, 1.0, 1.0)),
 ])
-def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio, warmup):
+def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio, warmup, schedule):
     cfg = to_dict(load_run_config(str(CONFIGS / f"{name}.yaml")))
     model, opt = cfg["model"], cfg["optimizer"]
     assert (model["num_layers"], model["hidden_size"], model["num_attention_heads"], model["ffn_hidden_size"]) == \
@@ -88,8 +88,8 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
     assert (train["micro_batch_size"], train["global_batch_size"]) == ({"small": 16}.get(name, 8), 128)
     assert (train["log_interval"], train["eval_interval"], train["eval_iters"]) == (10, 1000, 50)
     assert train["early_stopping"] == {"enabled": False, "patience": 10, "min_delta": 0.001}
-    assert (opt["decay_style"], opt["decay_steps"], opt["beta1"], opt["beta2"], opt["eps"]) == \
-        ("cosine", None, 0.9, 0.98, 1e-8)
+    assert (opt["decay_style"], opt["restart_cycle_steps"], opt["restart_peak_decay"], opt["decay_power"]) == schedule
+    assert (opt["decay_steps"], opt["beta1"], opt["beta2"], opt["eps"]) == (None, 0.9, 0.98, 1e-8)
     assert (opt["weight_decay"], opt["clip_grad"]) == (0.01, 1.0)
     assert cfg["data"]["manifest"] == "runs/data/shards/manifest.json"
     assert cfg["deepspeed"] == {"zero_stage": 1, "precision": "bf16"}

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from data_fixtures import word_tokenizer
 from network_guard import no_network
 
 from pretrain import quickstart
@@ -27,21 +28,13 @@ WORDS = "the quick brown fox jumps over lazy dog def main self return import cla
 def hf_dir(tmp_path_factory) -> Path:
     """A directory as convert_to_hf writes it, without a training run: the exported tokenizer of a
     small sentencepiece model and an untrained GPT-2 of POSITIONS positions."""
-    import random
-
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from data_tools import train_tokenizer
     from pretrain.export.hf_tokenizer import export_tokenizer
 
     root = tmp_path_factory.mktemp("generate")
-    rng = random.Random(0)
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=30))}) + "\n" for _ in range(200)))
-    train_tokenizer.main(["--input", str(corpus), "--model-prefix", str(root / "sp"), "--vocab-size", "400",
-                          "--num-threads", "1"])
     out = root / "hf"
-    tokenizer = export_tokenizer(root / "sp.model", out)
+    tokenizer = export_tokenizer(word_tokenizer(root, WORDS, vocab_size=400, words_per_line=30), out)
     config = GPT2Config(vocab_size=400, n_positions=POSITIONS, n_embd=32, n_layer=1, n_head=2,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     GPT2LMHeadModel(config).save_pretrained(out)

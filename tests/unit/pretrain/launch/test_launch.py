@@ -232,6 +232,14 @@ def test_dry_run_per_node_command_with_variables_as_overrides(in_process, tmp_pa
     for override in ("parallel.tensor=1", "parallel.pipeline=1", "deepspeed.zero_stage=1", "deepspeed.precision=fp32"):
         assert contains(tokens, "--set", override)
     assert not any(t.startswith("DS_ENV_FILE=") for t in tokens) and "would write" not in stderr
+    assert not any(t.startswith("CUDA_DEVICE_MAX_CONNECTIONS=") for t in tokens)
+
+
+def test_dry_run_with_tensor_parallelism_orders_the_device_queue(in_process, tmp_path):
+    """megatron-core overlaps its TP all-reduce with compute only with one device work queue."""
+    tokens, _ = dry_run(in_process, tmp_path, GPUS_PER_NODE="2", TP="2")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in tokens
+    assert contains(tokens, "--set", "parallel.tensor=2")
 
 
 

@@ -222,8 +222,6 @@ def test_pipeline_stages_hold_their_layers_and_a_tied_embedding_each(one_process
 # ---------------------------------------------------------------- activations
 def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes of distinct storages autograd keeps for backward after forward and loss (weights excluded)."""
-    from pretrain.runtime.loss import lm_loss
-
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -234,7 +232,7 @@ def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lm_loss(model(tokens), (tokens, torch.ones_like(tokens, dtype=torch.float)))
+        model(tokens, (tokens, torch.ones_like(tokens, dtype=torch.float)))  # as training calls it
     return sum(saved.values())
 
 
@@ -254,8 +252,7 @@ def test_saved_activations_match_the_formula(one_process, run_config, attention,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA GPU: the activation peak is torch.cuda.max_memory_allocated during a step")
+@pytest.mark.gpu  # the activation peak is torch.cuda.max_memory_allocated during a step
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_peak_on_gpu(one_process, checkpointing):
     """bf16, SDPA's GPU kernels: the peak of one forward+backward above the weights and (pre-allocated)

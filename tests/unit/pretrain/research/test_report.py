@@ -11,21 +11,26 @@ from pathlib import Path
 
 import pytest
 from scipy import stats
-from sweep_runs import train_record, valid_record, write_run
+from sweep_runs import train_record, valid_record, write_evaluation, write_run
 
 from pretrain.research.report import plots
 from pretrain.research.report.__main__ import main
-from pretrain.research.report.build import build_report
+from pretrain.research.report.build import build_report, layer_plot_name
+from pretrain.research.report.latex import write_latex
 from pretrain.research.report.runs import (
+    ReportError,
     SweepRun,
     exclusion_reason,
     last_k_variance,
     latest_per_step,
     mean_loss_over_curve,
+    read_evaluation,
     steps_to_target,
     training_seconds_until,
 )
 from pretrain.research.report.stats import compare_paired, holm
+from pretrain.research.report.tables import Column, Table, fixed, mean_std, plain
+from pretrain.run_dir import RunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -141,6 +146,27 @@ def test_preempted_and_diverged_runs_stay_out_of_the_statistics(tmp_path):
 VANILLA = {42: 3.0, 2024: 3.1, 12345: 3.2, 98765: 3.05}
 ORA = {42: 3.1, 2024: 3.3, 12345: 3.2}  # seed 98765 failed; differences 0.1, 0.2, 0.0
 
+# Post-training evaluations: attention of every vanilla seed, ora's seeds 42 and 2024 (12345 has no
+# file) and frozen_gaussian 42 (no number: null); probe of two seeds of vanilla and ora.
+ENTROPY = {"vanilla": {42: 0.9, 2024: 0.8, 12345: 0.85, 98765: 0.95}, "ora": {42: 0.5, 2024: 0.6}}
+ENTROPY_BY_LAYER = {"vanilla": {42: [0.9, 0.8], 2024: [0.7, 0.6], 12345: [0.8, 0.9], 98765: [1.0, 0.9]},
+                    "ora": {42: [0.5, 0.4], 2024: [0.7, None]}, "frozen_gaussian": {42: [None, None]}}
+ACCURACY = {"vanilla": {42: 0.25, 2024: 0.5}, "ora": {42: 0.75, 2024: 1.0}}
+
+
+def write_evaluations(root: Path) -> None:
+    for arm, by_seed in ENTROPY_BY_LAYER.items():
+        for seed, layers in by_seed.items():
+            entropy = ENTROPY.get(arm, {}).get(seed)
+            write_evaluation(RunDir(root / arm / f"seed{seed}"), "attention",
+                             {"entropy_ratio": entropy, "attention_rank": 4.0},
+                             {"entropy_ratio": False, "attention_rank": True},
+                             {"entropy_ratio": layers, "attention_rank": [4.0, 4.0]})
+    for arm, by_seed in ACCURACY.items():
+        for seed, accuracy in by_seed.items():
+            write_evaluation(RunDir(root / arm / f"seed{seed}"), "probe", {"answer_accuracy": accuracy},
+                             {"answer_accuracy": True})
+
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
@@ -156,6 +182,7 @@ def sweep(tmp_path_factory) -> Path:
               log_tail="RuntimeError: 5 consecutive steps had non-finite loss\nTraceback (most recent call last):")
     write_run(root, "frozen_gaussian", 42, final_loss=3.4)
     write_run(root, "synthesizer_random", 42, status="running", exit_code=None)
+    write_evaluations(root)
     return root
 
 
@@ -260,7 +287,9 @@ def test_csv_json_and_markdown_agree(report):
     """Every CSV cell is the JSON value (n/a ↔ null), and every Markdown table has the JSON's rows in order."""
     document = report_json(report)
     headings = {"arms": "Final validation loss", "comparison": "Paired comparison", "convergence": "Convergence",
-                "cost": "Speed, memory", "runs": "Per run", "not_used": "Runs not in the statistics"}
+                "cost": "Speed, memory", "evaluations": "Post-training evaluations", "runs": "Per run",
+                "not_used": "Runs not in the statistics"}
+    assert set(document["tables"]) == set(headings) | {"evaluation_layers"}  # the plots' numbers: CSV and JSON
     for name, records in document["tables"].items():
         with open(report / f"{name}.csv", newline="") as f:
             rows = list(csv.DictReader(f))
@@ -269,8 +298,9 @@ def test_csv_json_and_markdown_agree(report):
             assert row.keys() == record.keys()
             for key, value in record.items():
                 assert row[key] == ("n/a" if value is None else str(value)), (name, key)
-        md = markdown_table((report / "report.md").read_text(), headings[name])
-        assert [r["arm"] for r in md] == [r["arm"] for r in records]
+        if name in headings:
+            md = markdown_table((report / "report.md").read_text(), headings[name])
+            assert [r["arm"] for r in md] == [r["arm"] for r in records]
     arms = {r["arm"]: r for r in document["tables"]["arms"]}
     md_arms = {r["arm"]: r for r in markdown_table((report / "report.md").read_text(), "Final validation loss")}
     for arm, record in arms.items():
@@ -280,6 +310,93 @@ def test_csv_json_and_markdown_agree(report):
     comparison = {r["arm"]: r for r in document["tables"]["comparison"]}
     md_comparison = {r["arm"]: r for r in markdown_table((report / "report.md").read_text(), "Paired comparison")}
     assert md_comparison["ora"]["t-test p"] == f"{comparison['ora']['t_test_p']:.4g}"
+
+
+def test_evaluations_per_arm_with_paired_tests_and_missing_runs_counted(report):
+    rows = {(r["evaluation"], r["metric"], r["arm"]): r for r in report_json(report)["tables"]["evaluations"]}
+    vanilla = rows[("attention", "entropy_ratio", "vanilla")]
+    assert (vanilla["seeds"], vanilla["missing"], vanilla["higher_is_better"]) == (4, 0, False)
+    assert vanilla["mean"] == pytest.approx(statistics.fmean(ENTROPY["vanilla"].values()))
+    assert vanilla["std"] == pytest.approx(statistics.stdev(ENTROPY["vanilla"].values()))
+    assert (vanilla["t_test_p"], vanilla["note"]) == (None, "reference")
+    ora = rows[("attention", "entropy_ratio", "ora")]
+    assert (ora["seeds"], ora["missing"], ora["missing_seeds"], ora["pairs"]) == (2, 1, "12345", 2)
+    assert ora["mean_difference"] == pytest.approx(-0.3)  # 0.5 − 0.9, 0.6 − 0.8
+    expected_t = stats.ttest_rel([0.5, 0.6], [0.9, 0.8]).pvalue
+    assert ora["t_test_p"] == pytest.approx(expected_t)
+    assert ora["t_test_p_holm"] == pytest.approx(expected_t)  # the only arm with a p-value for this metric
+    gaussian = rows[("attention", "entropy_ratio", "frozen_gaussian")]  # its file says null: missing, not 0
+    assert (gaussian["seeds"], gaussian["missing"], gaussian["mean"], gaussian["pairs"]) == (0, 1, None, 0)
+    assert rows[("attention", "entropy_ratio", "synthesizer_random")]["missing"] == 0  # not in the statistics
+    probe = rows[("probe", "answer_accuracy", "ora")]
+    assert probe["mean_difference"] == pytest.approx(0.5) and probe["t_test_p"] is None
+    assert "zero variance" in probe["note"]
+    assert rows[("probe", "answer_accuracy", "vanilla")]["missing_seeds"] == "12345, 98765"
+    text = (report / "report.md").read_text()
+    assert "`attention` 7 of 8, `probe` 4 of 8" in text
+    md = {(r["evaluation"], r["metric"], r["arm"]): r for r in markdown_table(text, "Post-training evaluations")}
+    assert md[("attention", "entropy_ratio", "frozen_gaussian")]["mean ± std"] == "n/a"
+    assert md[("attention", "entropy_ratio", "frozen_gaussian")]["missing"] == "1 (42)"
+    assert md[("attention", "entropy_ratio", "ora")]["better"] == "lower"
+
+
+def test_per_layer_plots_and_their_numbers(report):
+    text = (report / "report.md").read_text()
+    for metric in ("entropy_ratio", "attention_rank"):
+        name = layer_plot_name("attention", metric)
+        assert (report / name).read_bytes().startswith(PNG_SIGNATURE) and f"]({name})" in text
+    assert not (report / layer_plot_name("probe", "answer_accuracy")).exists()  # no per_layer in its files
+    rows = {(r["metric"], r["arm"], r["layer"]): r for r in report_json(report)["tables"]["evaluation_layers"]}
+    layer1 = rows[("entropy_ratio", "vanilla", 1)]
+    assert (layer1["seeds"], layer1["mean"]) == (4, pytest.approx(statistics.fmean([0.9, 0.7, 0.8, 1.0])))
+    assert (rows[("entropy_ratio", "ora", 2)]["seeds"], rows[("entropy_ratio", "ora", 2)]["mean"]) == (1, 0.4)
+    assert rows[("entropy_ratio", "frozen_gaussian", 1)]["mean"] is None
+
+
+def test_report_writes_its_main_tables_as_latex(report):
+    for name in ("arms", "comparison", "convergence", "cost", "evaluations"):
+        text = (report / f"{name}.tex").read_text()
+        assert r"\toprule" in text and r"\bottomrule" in text and f"\\label{{tab:{name}}}" in text
+    arms = (report / "arms.tex").read_text()
+    vanilla = list(VANILLA.values())
+    assert f"vanilla & $4$ & ${statistics.fmean(vanilla):.4f} \\pm {statistics.stdev(vanilla):.4f}$" in arms
+    assert "frozen\\_gaussian & $1$ & $3.4000 \\pm \\mathrm{n/a}$" in arms
+    assert "seed list" not in arms  # a Markdown-only column
+    assert "frozen\\_gaussian" in (report / "evaluations.tex").read_text()
+
+
+def test_latex_table_by_hand(tmp_path):
+    rows = [{"arm": "ref_arm", "mean": 1.2345, "std": 0.0123, "p": None},
+            {"arm": "a_b%c", "mean": 2.5, "std": 0.25, "p": 0.004},
+            {"arm": "d&e#f", "mean": 1000.0, "std": None, "p": 0.03},
+            {"arm": "g", "mean": None, "std": None, "p": 0.001},
+            {"arm": "h", "mean": 3.0, "std": 0.5, "p": 0.05}]
+    table = Table("hand", [Column("arm", ("arm",), plain),
+                           Column("loss", ("mean", "std"), mean_std(fixed(3)), mark="p"),
+                           Column("p (Holm)", ("p",), fixed(3), latex=False)], rows)
+    text = write_latex(table, tmp_path, "Hand table.").read_text()
+    body = text[text.index(r"\midrule"):text.index(r"\bottomrule")].splitlines()[1:]
+    assert body == [r"ref\_arm & $1.234 \pm 0.012$ \\",
+                    r"a\_b\%c & $2.500 \pm 0.250^{**}$ \\",  # p < 0.01
+                    r"d\&e\#f & $1{,}000.000 \pm \mathrm{n/a}^{*}$ \\",  # p < 0.05
+                    r"g & n/a \\",  # no value, no mark
+                    r"h & $3.000 \pm 0.500$ \\"]  # p = 0.05 is not below 0.05
+    assert r"\begin{tabular}{lr}" in text and "|" not in text  # no vertical rules, the p column left out
+    assert text.index(r"\toprule") < text.index(r"arm & loss \\") < text.index(r"\midrule")
+    assert r"\caption{Hand table. $^{*}$: Holm-adjusted $p < 0.05$; $^{**}$: Holm-adjusted $p < 0.01$.}" in text
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not a readable JSON evaluation"),
+    ('{"summary": {"a": 1.0}, "higher_is_better": {}}', "'higher_is_better' must give"),
+    ('{"summary": {"a": "high"}, "higher_is_better": {"a": true}}', "summary.a is 'high'"),
+])
+def test_an_invalid_evaluation_file_is_an_error_naming_it(tmp_path, content, message):
+    path = tmp_path / "attention.json"
+    path.write_text(content)
+    with pytest.raises(ReportError, match=message) as error:
+        read_evaluation(path)
+    assert str(path) in str(error.value)
 
 
 def test_command_line_and_its_errors(sweep, tmp_path, capsys):

@@ -5,6 +5,7 @@ skipped, an interrupted sweep resumed from its checkpoint, a SLURM task through 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import shlex
 import signal
@@ -16,12 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 from pretrain_runs import REPO, env, write_config
+from sweep_runs import write_run
 
 from pretrain.config import config_hash
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.research.sweep import slurm
+from pretrain.research.sweep import spec as sweep_spec
 from pretrain.research.sweep.__main__ import main
-from pretrain.research.sweep.spec import DESIGN_SEEDS, LOG_NAME, expand, load_spec
+from pretrain.research.sweep.spec import DESIGN_SEEDS, LOG_NAME, Run, expand, load_spec
 from pretrain.run_dir import RunDir
 
 EXPERIMENTS = REPO / "pretrain" / "experiments"
@@ -32,7 +35,7 @@ SHIPPED = {
     "core": (["vanilla", "ora", "frozen_gaussian"], "vanilla"),
     "baselines": (["vanilla", "ora", "synthesizer_random", "synthesizer_random_fixed", "synthesizer_factorized",
                    "fixed_random_attention", "partial_frozen"], "vanilla"),
-    "a1": (["orthogonal", "gaussian", "uniform"], "orthogonal"),
+    "a1": (["orthogonal", "gaussian", "uniform", "gaussian_matched", "uniform_matched"], "orthogonal"),
     "a2": (["both_frozen", "q_trainable", "k_trainable", "both_trainable", "vanilla"], "both_frozen"),
     "a3": (["heads2", "heads4", "heads8", "heads16"], "heads8"),
     "a4": (["width_0.5x", "width_1x", "width_1.5x", "width_2x"], "width_1x"),
@@ -280,3 +283,117 @@ def test_slurm_task_runs_its_run_through_the_launch_script(tmp_path, monkeypatch
     assert not (out / "a").exists()
     assert main(sweep_args(spec, out, "--task", "1")) == 0
     assert "spec/b/seed1: finished, nothing to do" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- post-training evaluations
+
+
+def with_evaluations(path: Path, names: list) -> Path:
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "evaluations": names}, sort_keys=False))
+    return path
+
+
+def evaluation_writes_its_file(name: str) -> list:
+    """What stands in for an evaluation module (`python ... --run-dir RUN`): it writes RUN/evaluations/<name>.json."""
+    return ["-c", "import json, pathlib, sys; folder = pathlib.Path(sys.argv[2]) / 'evaluations'; "
+            f"folder.mkdir(exist_ok=True); (folder / '{name}.json').write_text(json.dumps("
+            f"{{'name': '{name}', 'summary': {{}}, 'higher_is_better': {{}}}}))"]
+
+
+EVALUATION_FAILS = ["-c", "import sys; print('the probe broke'); sys.exit(4)"]
+
+
+def test_spec_evaluations_in_the_dry_run_and_the_emitted_commands(tmp_path, capsys):
+    spec = with_evaluations(write_spec(tmp_path, {"a": arm("vanilla")}, seeds=(7,)), ["attention", "probe"])
+    out = tmp_path / "out"
+    run_dir = out / "a" / "seed7"
+    attention = [sys.executable, "-m", "pretrain.research.analyze", "--run-dir", str(run_dir)]
+    probe = [sys.executable, "-m", "pretrain.research.probes", "--run-dir", str(run_dir)]
+    assert main(sweep_args(spec, out, "--dry-run")) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "spec/a/seed7: pending -> start",
+        f"spec/a/seed7 evaluation attention: pending -> after the training, run {shlex.join(attention)}",
+        f"spec/a/seed7 evaluation probe: pending -> after the training, run {shlex.join(probe)}"]
+    assert main(sweep_args(spec, out, "--emit", "commands")) == 0
+    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    assert commands[0][:3] == [sys.executable, "-m", ENTRY_MODULE] and commands[1:] == [attention, probe]
+    assert not out.exists()
+    for argv in sweep_spec.EVALUATIONS.values():  # the modules the sweep runs exist
+        assert importlib.util.find_spec(argv[argv.index("-m") + 1]) is not None
+
+
+@pytest.mark.parametrize("names, message", [
+    (["attention", "downstream"], "unknown evaluation 'downstream'"),
+    (["probe", "probe"], "each evaluation at most once"),
+])
+def test_invalid_evaluations_exit_2_naming_the_key(tmp_path, capsys, names, message):
+    spec = with_evaluations(write_spec(tmp_path, {"a": arm("ora")}), names)
+    assert main(sweep_args(spec, tmp_path / "out", "--dry-run")) == 2
+    err = capsys.readouterr().err
+    assert "spec.yaml: config error at 'evaluations'" in err and message in err
+
+
+def test_evaluations_of_a_finished_run_are_recorded_and_rerun_without_training(tmp_path, monkeypatch, capsys):
+    spec = with_evaluations(write_spec(tmp_path, {"a": arm("ora")}), ["attention", "probe"])
+    out = tmp_path / "out"
+    run_dir = write_run(out, "a", 1, final_loss=3.0)  # a finished run of this sweep, as a sweep records it
+    trained = run_dir.read_experiment()
+    monkeypatch.setitem(sweep_spec.EVALUATIONS, "attention", evaluation_writes_its_file("attention"))
+    monkeypatch.setitem(sweep_spec.EVALUATIONS, "probe", EVALUATION_FAILS)
+
+    assert main(sweep_args(spec, out)) == 1  # the probe failed
+    output = capsys.readouterr().out
+    assert "starting 0 of 1 runs and 2 evaluations" in output
+    assert "finished spec/a/seed1 evaluation attention" in output
+    assert "FAILED spec/a/seed1 evaluation probe: exit code 4" in output
+    assert "attention finished, probe failed (4)" in output  # the status table
+    record = run_dir.read_experiment()
+    assert (record.status, record.start_time, record.results) == ("finished", trained.start_time, trained.results)
+    assert record.evaluations["attention"]["status"] == "finished"
+    assert (record.evaluations["probe"]["status"], record.evaluations["probe"]["exit_code"]) == ("failed", 4)
+    assert "the probe broke" in record.evaluations["probe"]["log_tail"]
+    log = (run_dir.path / LOG_NAME).read_text()
+    assert log.count("sweep starts:") == 2 and ENTRY_MODULE not in log  # no training started
+    assert run_dir.evaluation_file("attention").exists() and not run_dir.evaluation_file("probe").exists()
+
+    assert main(sweep_args(spec, out)) == 1  # a failed evaluation waits for --retry-failed
+    assert "nothing to start" in capsys.readouterr().out
+    run_dir.evaluation_file("attention").unlink()  # a missing evaluation runs again, the training does not
+    monkeypatch.setitem(sweep_spec.EVALUATIONS, "probe", evaluation_writes_its_file("probe"))
+    assert main(sweep_args(spec, out, "--dry-run", "--retry-failed")) == 0
+    plan = capsys.readouterr().out.splitlines()
+    assert plan[0] == "spec/a/seed1: finished -> skip"
+    assert plan[2].startswith("spec/a/seed1 evaluation probe: failed -> run ")
+    assert main(sweep_args(spec, out, "--retry-failed")) == 0
+    record = run_dir.read_experiment()
+    assert {name: entry["status"] for name, entry in record.evaluations.items()} == {"attention": "finished",
+                                                                                     "probe": "finished"}
+    assert ENTRY_MODULE not in (run_dir.path / LOG_NAME).read_text()
+
+    assert main(sweep_args(spec, out, "--task", "0")) == 0  # a SLURM task: nothing left to do
+    assert "spec/a/seed1: finished, nothing to do" in capsys.readouterr().out
+
+
+# Stands in for a training (`... RUN_DIR EXIT_CODE`): exit 0 with a complete summary, or fail.
+FAKE_TRAINING = ("import sys; from pretrain.run_dir import RunDir, Summary; code = int(sys.argv[2]); "
+                 "code or RunDir(sys.argv[1]).write_summary(Summary(final_train_loss=3.0, final_valid_loss=3.0, "
+                 "final_test_loss=None, wall_time_s=1.0, steps=4, stopped_early=False, preempted=False, "
+                 "tokens_seen=0, skipped_steps=0, trainable_params=1, frozen_params=0)); sys.exit(code)")
+
+
+def test_evaluations_follow_a_finished_training_only(tmp_path, monkeypatch, capsys):
+    spec = with_evaluations(write_spec(tmp_path, {"good": arm("ora"), "bad": arm("ora")}), ["attention"])
+    out = tmp_path / "out"
+    monkeypatch.setattr(Run, "local_command", lambda run: [sys.executable, "-c", FAKE_TRAINING, str(run.run_dir.path),
+                                                           "3" if run.arm == "bad" else "0"])
+    monkeypatch.setitem(sweep_spec.EVALUATIONS, "attention", evaluation_writes_its_file("attention"))
+    assert main(sweep_args(spec, out, "--jobs", "2")) == 1  # bad failed
+    output = capsys.readouterr().out
+    assert "starting 2 of 2 runs and 2 evaluations" in output
+    assert output.index("finished spec/good/seed1:") < output.index("finished spec/good/seed1 evaluation attention")
+    good, bad = RunDir(out / "good" / "seed1"), RunDir(out / "bad" / "seed1")
+    assert good.read_experiment().evaluations["attention"]["status"] == "finished"
+    assert good.evaluation_file("attention").exists()
+    assert bad.read_experiment().status == "failed" and bad.read_experiment().evaluations == {}
+    assert "spec/bad/seed1 evaluation attention: pending -> wait for the training" in (
+        main(sweep_args(spec, out, "--dry-run")) == 0 and capsys.readouterr().out)

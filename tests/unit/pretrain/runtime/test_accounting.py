@@ -1,4 +1,5 @@
-"""Accounting: parameter counts, training FLOPs per token, held bytes, the device peak table, peak memory."""
+"""Accounting: parameter counts, training FLOPs per token, held bytes, peak memory (the device peak table:
+test_accounting_peaks.py)."""
 
 from __future__ import annotations
 
@@ -77,21 +78,6 @@ def test_gradient_and_adam_state_bytes(eng):
 
 
 # ---------------------------------------------------------------------------- the device
-@pytest.mark.parametrize("device, peak", [
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),
-    ("Tesla T4", None),  # not in the table: no MFU rather than a wrong one
-])
-def test_device_peak_tflops_from_the_device_name(monkeypatch, device, peak):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: device)
-    assert accounting.device_peak_tflops() == peak
-
-
-def test_no_device_peak_without_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert accounting.device_peak_tflops() is None
-
-
 def test_peak_memory_on_the_host_is_the_max_rss_in_bytes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     peak = accounting.peak_memory_bytes()

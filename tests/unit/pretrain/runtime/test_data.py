@@ -77,6 +77,17 @@ def test_micro_batch_stacks_the_samples_of_the_batch_order():
     assert batches.has("train") and not batches.has("valid") and not batches.has("test")
 
 
+def test_prefetched_batches_are_the_batches_read_in_turn():
+    """Prefetching reads (step, micro)'s successor ahead; a jump (a resume, an evaluation) reads afresh."""
+    order = BatchOrder(2, 3, dp_rank=0, dp_size=1)
+    plain, ahead = StepBatches({"train": Numbered()}, order), StepBatches({"train": Numbered()}, order, prefetch=True)
+    for step, micro in [(0, 0), (0, 1), (0, 2), (1, 0), (4, 2), (5, 0), (5, 1)]:
+        expected = plain.micro_batch("train", step, micro)
+        got = ahead.micro_batch("train", step, micro)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), (step, micro)
+    assert ahead._ahead[0] == (5, 2)
+
+
 def test_pipeline_iter_gives_the_micro_batches_as_the_pipeline_engine_takes_them():
     batches = StepBatches({"train": Numbered()}, BatchOrder(2, 3, dp_rank=0, dp_size=1))
     pieces = list(batches.pipeline_iter("train", 1))

@@ -1,5 +1,6 @@
 """MetricsLogger: which steps are logged, what a record holds, where it goes (metrics.jsonl, the
-progress bar, TensorBoard and wandb when enabled; nothing off rank 0); IterationTimer's pauses."""
+progress bar, TensorBoard and wandb when enabled; nothing off rank 0); throughput over a window of
+steps; IterationTimer's pauses and windows."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import torch
 from one_process import tiny_run
 
 from pretrain.config import LoggingConfig, TrainConfig
 from pretrain.run_dir import EvalRecord, RunDir, TrainRecord
 from pretrain.runtime import metrics
 from pretrain.runtime.accounting import flops_per_token
-from pretrain.runtime.metrics import IterationTimer, MetricsLogger, wandb_run_id
+from pretrain.runtime.metrics import IterationTimer, MetricsLogger, Throughput, throughput, wandb_run_id
 
 TOKENS_PER_STEP = 8 * 16  # global batch × model_fixtures' sequence length
 PEAK_MEM = 12345
@@ -49,9 +51,9 @@ def logger(run_dir: RunDir, cfg=None, start_step: int = 0) -> MetricsLogger:
 
 
 def log_step(logger: MetricsLogger, step: int, *, loss: float = 2.5, skipped: bool = False,
-             grad_norm: float | None = 0.75) -> None:
-    logger.train_step(step, loss, 0.5, skipped=skipped, skipped_steps=1, lr=1e-3, grad_norm=grad_norm,
-                      trainable_params=1000)
+             grad_norm: float | None = 0.75, seconds: float = 0.5, window_steps: int = 1) -> None:
+    logger.train_step(step, loss, seconds, window_steps=window_steps, skipped=skipped, skipped_steps=1, lr=1e-3,
+                      grad_norm=grad_norm, trainable_params=1000)
 
 
 # ---------------------------------------------------------------------------- when a step is logged
@@ -79,14 +81,28 @@ def test_train_record_fields(run_dir):
 
 
 def test_mfu_with_a_known_device_peak(run_dir, monkeypatch, on_rank):
+    """Against the peak of the run's precision; over the window of steps since the previous record."""
     on_rank(0, world_size=4)
-    monkeypatch.setattr(metrics, "device_peak_tflops", lambda: 100.0)
+    asked = []
+    monkeypatch.setattr(metrics, "device_peak_tflops", lambda precision: asked.append(precision) or 100.0)
     cfg = config()
-    log_step(logger(run_dir, cfg), 5)
+    log_step(logger(run_dir, cfg), 5, seconds=2.0, window_steps=4)
     record, = run_dir.read_records()
+    assert asked == [cfg.deepspeed.precision]
+    assert (record.step_time_s, record.tokens_per_s) == (0.5, TOKENS_PER_STEP / 0.5)
     per_device = flops_per_token(cfg.model) * (TOKENS_PER_STEP / 0.5) / 4 / 1e12
     assert record.tflops_per_device == pytest.approx(per_device, rel=1e-12)
     assert record.mfu == pytest.approx(per_device / 100.0, rel=1e-12)
+
+
+def test_throughput_over_a_window():
+    """4 steps of 8,192 tokens in 2 s on 2 ranks, 6 GFLOP per token: 0.5 s a step, 16,384 tokens/s,
+    49.152 TFLOP/s per device, MFU 49.152 / 989.5; no TFLOP/s or MFU without a peak."""
+    speed = throughput(2.0, 4, 8192, 6e9, 2, 989.5)
+    assert speed.step_time_s == 0.5 and speed.tokens_per_s == 16384.0
+    assert speed.tflops_per_device == pytest.approx(49.152, rel=1e-12)
+    assert speed.mfu == pytest.approx(49.152 / 989.5, rel=1e-12)
+    assert throughput(2.0, 4, 8192, 6e9, 2, None) == Throughput(0.5, 16384.0, None, None)
 
 
 @pytest.mark.parametrize("loss, ppl", [(2.0, math.exp(2.0)), (80.0, math.exp(50.0))], ids=["exp", "capped"])
@@ -166,6 +182,18 @@ def test_tensorboard_and_wandb_get_every_finite_number_of_a_record(run_dir, fake
     ]
 
 
+def test_layer_grad_norms_are_kept_in_the_record_and_plotted_per_stage(run_dir, fake_sinks):
+    log = logger(run_dir, config(LoggingConfig(tensorboard=True, wandb_mode="disabled", progress=False)))
+    norms = {"embedding": 0.5, "layer1": 0.25, "layer2": None}  # None: not finite on that step
+    log.train_step(5, 2.5, 0.5, skipped=False, skipped_steps=0, lr=1e-3, grad_norm=0.75, trainable_params=1000,
+                   layer_grad_norms=norms)
+    log.close()
+    assert run_dir.read_records()[0].layer_grad_norms == norms
+    plotted = {call[1]: call[2] for call in fake_sinks if call[0] == "tb" and len(call) == 4}
+    assert plotted["train/layer_grad_norms/embedding"] == 0.5 and plotted["train/layer_grad_norms/layer1"] == 0.25
+    assert "train/layer_grad_norms/layer2" not in plotted
+
+
 def test_tensorboard_and_wandb_off_write_only_metrics(run_dir, fake_sinks):
     log = logger(run_dir)
     log_step(log, 5)
@@ -218,3 +246,47 @@ def test_iteration_timer_leaves_pauses_out_of_the_lap(monkeypatch):
     assert timer.lap() == 106.0 - 101.0 - 3.0
     clock.now = 107.5
     assert timer.lap() == 1.5  # pauses belong to the lap they fell in
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_iteration_timer_window_waits_for_the_device_once(monkeypatch, cuda):
+    """A window holds its laps and the time after the last one, pauses excluded; where this process
+    uses CUDA it waits for the device first, once, and that wait is the window's too."""
+    clock, synced = Clock(), []
+
+    def synchronize():
+        synced.append(clock.now)
+        clock.now += 0.75  # the queued kernels finish
+
+    monkeypatch.setattr(metrics, "time", clock)
+    monkeypatch.setattr(metrics.torch.cuda, "is_initialized", lambda: cuda)
+    monkeypatch.setattr(metrics.torch.cuda, "synchronize", synchronize)
+    timer = IterationTimer()
+    for _ in range(3):
+        clock.now += 0.25
+        timer.lap()
+    with timer.paused():  # an evaluation
+        clock.now += 5.0
+    clock.now += 0.5  # the logged step's loss reduction
+    wait = 0.75 if cuda else 0.0
+    assert timer.window() == (0.75 + 0.5 + wait, 3)
+    assert synced == ([clock.now - 0.75] if cuda else [])
+    clock.now += 1.0
+    assert timer.lap() == 1.0 and timer.window() == (1.0 + wait, 1)  # the next window starts where this one ended
+
+
+@pytest.mark.gpu
+def test_window_on_a_gpu_holds_the_device_time():
+    """Laps see the launch of the queued kernels; the window, after its synchronisation, their run too."""
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    timer = IterationTimer()
+    start.record()
+    for _ in range(3):
+        for _ in range(20):
+            a = a @ a / 64.0
+        timer.lap()
+    end.record()
+    seconds, steps = timer.window()
+    assert steps == 3 and seconds >= start.elapsed_time(end) / 1e3

@@ -1,0 +1,76 @@
+"""The learning-rate schedule of each research-plan preset, as its run computes it, plotted over its steps.
+
+    python -m pretrain.research.lr_schedule_plot [--presets small base large] [--out docs/lr_schedules.png]
+
+Each preset's config is loaded as a run loads it and its scheduler is built by the run's own
+`pretrain.runtime.optimizer.lr_scheduler`, then stepped from 0 to train.steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+
+from pretrain.config import RunConfig, load_run_config, preset_path
+from pretrain.runtime.optimizer import lr_scheduler
+
+PLOTTED = ("small", "base", "large")
+
+
+def preset_config(name: str) -> RunConfig:
+    return load_run_config(str(preset_path(name)))
+
+
+def schedule(cfg: RunConfig, stride: int = 100) -> tuple[list[int], list[float]]:
+    """The LR at step 0, every `stride`-th step and the last step (train.steps)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimizer.lr)
+    scheduler = lr_scheduler(cfg, optimizer)
+    steps, lrs = [0], [optimizer.param_groups[0]["lr"]]
+    while scheduler.num_steps < cfg.train.steps:
+        scheduler.step(min(stride, cfg.train.steps - scheduler.num_steps))
+        steps.append(scheduler.num_steps)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return steps, lrs
+
+
+def describe(name: str, cfg: RunConfig) -> str:
+    opt = cfg.optimizer
+    shape = opt.decay_style
+    if shape == "cosine_restarts":
+        shape += f", cycles of {opt.restart_cycle_steps:,} steps, peak × {opt.restart_peak_decay:g} per cycle"
+    elif shape == "polynomial":
+        shape += f", power {opt.decay_power:g}"
+    return f"{name}: warmup {opt.warmup_steps:,}, {shape}, min_lr_ratio {opt.min_lr_ratio:g}"
+
+
+def plot(names: list[str], out: Path, stride: int = 100) -> Path:
+    figure = Figure(figsize=(9, 4.5), layout="constrained")
+    axes = figure.subplots()
+    for name in names:
+        cfg = preset_config(name)
+        axes.plot(*schedule(cfg, stride), label=describe(name, cfg))
+    axes.set(xlabel="step", ylabel="learning rate", title="Learning-rate schedules of the presets")
+    axes.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    axes.legend()
+    figure.savefig(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=list(PLOTTED), help="preset names (pretrain/configs/)")
+    parser.add_argument("--out", type=Path, default=Path("docs/lr_schedules.png"), help="the PNG to write")
+    parser.add_argument("--stride", type=int, default=100, help="plot every this many steps")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.presets if preset_path(n) is None]
+    if unknown or args.stride < 1:
+        parser.error(f"not presets: {unknown}" if unknown else "--stride must be >= 1")
+    print(plot(args.presets, args.out, args.stride))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

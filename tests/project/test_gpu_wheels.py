@@ -1,0 +1,101 @@
+"""docker/gpu_wheels.py, offline: the pins it reads from pyproject.toml for the target's Python, the walk
+from them through a resolved set (markers for the target, never into torch, without what the target has),
+the platform tags it asks pip for. Fetching from the index is not tested here."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from packaging.requirements import Requirement
+from pretrain_runs import REPO
+
+SCRIPT = REPO / "docker" / "gpu_wheels.py"
+spec = importlib.util.spec_from_file_location("gpu_wheels", SCRIPT)
+gpu_wheels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_wheels)
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def pins(requirements) -> dict[str, str]:
+    return {r.name: str(r.specifier) for r in requirements}
+
+
+@pytest.mark.parametrize("python, megatron", [("3.12", "==0.19.2"), ("3.11", "==0.16.1")])
+def test_pins_of_pyproject_for_the_target_python(python, megatron):
+    """pyproject.toml's pins with their markers evaluated for the target's Python, whatever runs the script."""
+    run, build = gpu_wheels.top_requirements(PYPROJECT, gpu_wheels.target_environment(python, "x86_64"), [])
+    declared = [Requirement(text) for text in PYPROJECT["project"]["dependencies"]]
+    assert pins(run)["megatron-core"] == megatron
+    assert "torch" not in pins(run)  # the target keeps its own CUDA torch
+    assert set(pins(run)) == {r.name for r in declared} - {"torch"}
+    assert pins(run)["deepspeed"] == next(str(r.specifier) for r in declared if r.name == "deepspeed")
+    assert [str(r) for r in build] == PYPROJECT["build-system"]["requires"]
+    assert all(r.marker is None for r in map(Requirement, map(gpu_wheels.without_marker, run)))
+
+
+def test_extras_add_their_group():
+    environment = gpu_wheels.target_environment("3.12", "x86_64")
+    run, _ = gpu_wheels.top_requirements(PYPROJECT, environment, ["test"])
+    assert {Requirement(t).name for t in PYPROJECT["project"]["optional-dependencies"]["test"]} <= set(pins(run))
+
+
+def package(name: str, version: str, *requires: str):
+    return gpu_wheels.Package(name, version, requires)
+
+
+RESOLVED = {p.name.lower(): p for p in [
+    package("app", "1.0", "torch>=2", "small==2.0", "old-backport; python_version < '3.12'",
+            "fancy[speed]>=1", "windows-only; sys_platform == 'win32'"),
+    package("small", "2.0"),
+    package("fancy", "1.5", "core", "accelerator; extra == 'speed'", "docs-tool; extra == 'docs'"),
+    package("core", "3.0"),
+    package("accelerator", "0.9", "core>=2"),
+    package("torch", "2.13.0", "nvidia-cublas", "triton"),
+    package("nvidia-cublas", "13.0"),
+    package("triton", "3.6"),
+    package("old-backport", "1.0"),
+]}
+
+
+def test_walk_follows_target_markers_and_extras_but_not_torch():
+    environment = gpu_wheels.target_environment("3.12.3", "x86_64")
+    found, unresolved = gpu_wheels.needed([Requirement("app==1.0")], RESOLVED, environment, have=set())
+    assert sorted(found) == ["accelerator", "app", "core", "fancy", "small"]  # no torch, CUDA libraries, triton
+    assert unresolved == []
+    older, _ = gpu_wheels.needed([Requirement("app==1.0")], RESOLVED, gpu_wheels.target_environment("3.11", "x86_64"),
+                                 have=set())
+    assert "old-backport" in older
+
+
+def test_walk_leaves_out_what_the_target_has_and_names_what_pip_did_not_resolve():
+    environment = gpu_wheels.target_environment("3.12", "x86_64")
+    found, _ = gpu_wheels.needed([Requirement("app")], RESOLVED, environment, have={"fancy"})
+    assert sorted(found) == ["app", "small"]  # fancy is there, and so what only it needs
+    resolved = {name: p for name, p in RESOLVED.items() if name != "small"}
+    _, unresolved = gpu_wheels.needed([Requirement("app")], resolved, environment, have=set())
+    assert [str(r) for r in unresolved] == ["small==2.0"]
+
+
+def test_report_and_have_files_are_read_by_canonical_name():
+    report = {"install": [{"metadata": {"name": "PyYAML", "version": "6.0.3"}},
+                          {"metadata": {"name": "Jinja2", "version": "3.1.6", "requires_dist": ["MarkupSafe>=2.0"]}}]}
+    assert gpu_wheels.packages_of_report(report) == {"pyyaml": package("PyYAML", "6.0.3"),
+                                                    "jinja2": package("Jinja2", "3.1.6", "MarkupSafe>=2.0")}
+    freeze = "# the GPU machine\nPyYAML==6.0.2\ntyping_extensions==4.12.2\nmypkg @ file:///src/mypkg\n"
+    assert gpu_wheels.have_names(freeze) == {"pyyaml", "typing-extensions", "mypkg"}
+
+
+def test_platform_tags_newest_glibc_first():
+    tags = gpu_wheels.platforms("x86_64", "2.28")
+    assert tags[0] == "manylinux_2_28_x86_64" and tags[11] == "manylinux_2_17_x86_64"
+    assert tags[12:] == ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    assert gpu_wheels.platforms("aarch64", "2.17")[-1] == "manylinux1_aarch64"
+
+
+def test_script_answers_help():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--have" in out.stdout and "--python-version" in out.stdout
