@@ -71,7 +71,7 @@ def _build_key(options: BuildOptions, files: list[InputFile], tokenizer_sha256: 
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def _tokenizer_summary(path: str) -> dict:
+def tokenizer_summary(path: str) -> dict:
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such tokenizer model")
     tokenizer = sentencepiece.SentencePieceProcessor(model_file=path)
@@ -187,7 +187,7 @@ def build(options: BuildOptions) -> dict:
     """Run the build `options` describe; return this run's throughput stats."""
     started = time.perf_counter()
     files = expand_inputs(options.input)
-    tokenizer = _tokenizer_summary(options.tokenizer)
+    tokenizer = tokenizer_summary(options.tokenizer)
     os.makedirs(options.output_dir, exist_ok=True)
     build_key = _build_key(options, files, tokenizer["sha256"])
     with contextlib.suppress(FileNotFoundError):

@@ -42,6 +42,7 @@ SHIPPED = {
     "a5": (["seq_0.25x", "seq_1x", "seq_2x", "seq_4x"], "seq_1x"),
     "a6": (["layers4", "layers8", "layers12", "layers24"], "layers4"),
     "a7": (["qr", "svd", "householder", "cayley", "hadamard"], "qr"),
+    "probes": (["vanilla", "ora", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
 }
 
 # Overrides of tests/pretrain_runs.py's tiny mock-data run for a sweep that finishes in seconds.
@@ -141,6 +142,10 @@ def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
         assert {r.scale.processes_per_node for r in runs} == {8}
         assert {(r.cfg.train.global_batch_size, r.cfg.train.steps) for r in runs} == {(128, 100_000)}
         assert {r.cfg.model.hidden_size for r in runs} == ({256, 512, 768, 1024} if name == "a4" else {512})
+    elif name == "probes":  # the probe tasks' examples: 32 tokens over 24 ids, llama (RoPE)
+        assert {r.scale.processes_per_node for r in runs} == {1}
+        assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size, r.cfg.model.family) for r in runs} == {
+            (32, 24, "llama")}
     else:  # the nanoGPT shakespeare_char recipe
         assert {r.scale.processes_per_node for r in runs} == {1}
         assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size) for r in runs} == {(12, 68)}
