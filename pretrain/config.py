@@ -295,6 +295,13 @@ HUB_OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "
                            "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
+def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
+    """Whether DeepSpeed sums the micro-batches' bf16 gradients in fp32 (rather than in bf16, 8 mantissa
+    bits). It offers that with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its bf16
+    optimizer, whose checkpoints are laid out differently."""
+    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
+
+
 def device_environment(cfg: RunConfig) -> dict[str, str]:
     """Variables the CUDA runtime must see before it starts, for this config's layout.
 

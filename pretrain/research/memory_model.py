@@ -44,7 +44,7 @@ from ora_megatron.cross_entropy import LOGITS_CHUNK_BYTES
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, validate_for_world
+from pretrain.config import RunConfig, fp32_grad_accumulation, validate_for_world
 from pretrain.runtime.optimizer import param_groups
 
 # DeepSpeed (and pretrain.runtime.engine / pretrain.runtime.freeze, which import it) is imported where it is used:
@@ -77,7 +77,7 @@ class Layout:
     micro_batch_size: int
     grad_accum: int
     activation_checkpointing: bool
-    fp32_grad_accumulation: bool = False  # ZeRO-2/3's gradient buffers in fp32 (engine.fp32_grad_accumulation)
+    fp32_grad_accumulation: bool = False  # ZeRO-2/3 gradient buffers in fp32 (config.fp32_grad_accumulation)
 
     @property
     def dtype_bytes(self) -> int:
@@ -373,8 +373,6 @@ def in_flight_micro_batches(stage: int, layout: Layout) -> int:
 # ------------------------------------------------------------------ the plan
 def layout_of(cfg: RunConfig, world_size: int) -> Layout:
     """The run's layout; config errors (naming the key) when the world size does not fit it."""
-    from pretrain.runtime.engine import fp32_grad_accumulation
-
     grad_accum = validate_for_world(cfg, world_size)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     return Layout(world_size=world_size, tensor=tp, pipeline=pp, data=world_size // (tp * pp),

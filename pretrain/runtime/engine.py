@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
-from pretrain.config import DS_CONFIG_DIR, RunConfig
+from pretrain.config import DS_CONFIG_DIR, RunConfig, fp32_grad_accumulation
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
 from pretrain.runtime.loss import lm_loss
 from pretrain.runtime.optimizer import build_optimizer, lr_scheduler
@@ -69,13 +69,6 @@ def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
     if fp32_grad_accumulation(cfg, grad_accum):
         merged["data_types"] = {"grad_accum_dtype": "fp32"}
     return merged
-
-
-def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
-    """Whether the micro-batches' bf16 gradients are summed in fp32 (rather than in bf16, 8 mantissa
-    bits). DeepSpeed offers it with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its
-    bf16 optimizer, whose checkpoints are laid out differently."""
-    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
 
 
 class PipelinedGPT(PipelineModule):
