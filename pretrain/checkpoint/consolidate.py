@@ -137,10 +137,8 @@ def load_trained_model(run_dir, tag: Optional[str] = None) -> TrainedModel:
     if not run.checkpoint(tag).is_dir():
         raise FileNotFoundError(f"{run.checkpoint(tag)}: no such checkpoint (tags: {run.checkpoint_tags()})")
     cfg = run.read_config()
-    state = consolidated_state_dict(cfg, run.checkpoint(tag)).state_dict
-    with tp1_parallel_state(), torch.random.fork_rng(devices=[]):
-        model = build_staged_gpt(cfg.model, ParallelConfig())
-    model.load_state_dict(state, strict=True)
+    model = reference_model(cfg)
+    model.load_state_dict(consolidated_state_dict(cfg, run.checkpoint(tag)).state_dict, strict=True)
     return TrainedModel(cfg, tag, model.eval())
 
 
