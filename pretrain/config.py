@@ -2,7 +2,8 @@
 
 `model:` and `parallel:` are ora_megatron's (model_config.py); the rest is defined here. Checks
 that depend on the number of processes (batch divisibility, ZeRO vs pipeline) run in
-`validate_for_world(cfg, world_size)`, which the entry point calls before spawning workers.
+`validate_for_world(cfg, world_size)`, which the entry point calls before spawning workers, and
+`for_world(cfg, world_size)` gives the config that then runs (and that the run dir records).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -212,6 +213,8 @@ class DeepSpeedConfig:
     """ZeRO stage 0, 1, 2 or 3 (merges ds_configs/zero{N}.json)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training precision (merges ds_configs/{precision}.json)."""
+    zero_with_one_rank: bool = False
+    """Keep ZeRO-1/2/3 with one data-parallel rank; by default an fp32 run there trains at ZeRO-0."""
 
     def validate(self, key: str) -> None:
         check(self.zero_stage in (0, 1, 2, 3), f"{key}.zero_stage", "must be 0, 1, 2 or 3")
@@ -367,5 +370,21 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
-__all__ = ["RunConfig", "load_run_config", "validate_for_world", "keep_offline", "device_environment", "ConfigError",
-           "FreezeStage", "PARTIAL_FROZEN"]
+def for_world(cfg: RunConfig, world_size: int) -> RunConfig:
+    """The config as it trains on `world_size` processes.
+
+    With one data-parallel rank ZeRO has nothing to partition, and in fp32 ZeRO-0 takes the same
+    AdamW step without ZeRO's flat buffers, bucket copies and bookkeeping: such runs train at ZeRO-0
+    unless deepspeed.zero_with_one_rank keeps the stage. Mixed precision keeps it: DeepSpeed's ZeRO-0
+    bf16/fp16 path is another optimizer wrapper, without fp32 gradient accumulation. The run dir records
+    the stage that ran, so resuming on more ranks reshards the checkpoint like any other ZeRO change.
+    """
+    data_parallel = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
+    ds = cfg.deepspeed
+    if data_parallel > 1 or ds.zero_stage == 0 or ds.precision != "fp32" or ds.zero_with_one_rank:
+        return cfg
+    return replace(cfg, deepspeed=replace(ds, zero_stage=0))
+
+
+__all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "keep_offline", "device_environment",
+           "ConfigError", "FreezeStage", "PARTIAL_FROZEN"]

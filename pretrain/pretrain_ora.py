@@ -40,6 +40,7 @@ from pretrain.config import (
     RunConfig,
     config_hash,
     device_environment,
+    for_world,
     keep_offline,
     load_run_config,
     validate_for_world,
@@ -281,8 +282,13 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
         else:
             world_size = args.nproc_per_node if args.world_size is None else args.world_size
         grad_accum = validate_for_world(cfg, world_size)
+        configured, cfg = cfg, for_world(cfg, world_size)
     except (ConfigError, OSError, yaml.YAMLError) as e:
         raise StartRefused(str(e)) from e
+    if cfg is not configured and not args.resume_checked and os.environ.get("RANK", "0") == "0":
+        print(f"deepspeed.zero_stage={configured.deepspeed.zero_stage} with one data-parallel rank: training at "
+              "ZeRO-0, the same step with nothing to partition (deepspeed.zero_with_one_rank=true keeps the stage)",
+              file=sys.stderr)
     keep_offline(cfg.logging.wandb_mode)  # before anything imports wandb or a Hugging Face library
     if under_launcher:
         die_with_launcher()

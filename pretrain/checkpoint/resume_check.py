@@ -75,6 +75,8 @@ POLICIES: dict[str, Policy] = {
     "deepspeed.precision": Policy(False, "DeepSpeed lays the optimizer state out per precision (bf16: fp32 master "
                                          "weights beside bf16 ones, BF16_Optimizer under ZeRO-0, bf16_zero_* files; "
                                          "fp16: a loss scaler too) and does not convert it on load"),
+    "deepspeed.zero_with_one_rank": Policy(True, "it only picks the ZeRO stage, and a stage change is converted "
+                                                 "like any topology change"),
     "logging": SAFE,
     "checkpoint": SAFE,
     **{key: TOPOLOGY for key in TOPOLOGY_KEYS},

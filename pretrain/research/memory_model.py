@@ -44,7 +44,7 @@ from ora_megatron.cross_entropy import LOGITS_CHUNK_BYTES
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, fp32_grad_accumulation, validate_for_world
+from pretrain.config import RunConfig, for_world, fp32_grad_accumulation, validate_for_world
 from pretrain.runtime.optimizer import param_groups
 
 # DeepSpeed (and pretrain.runtime.engine / pretrain.runtime.freeze, which import it) is imported where it is used:
@@ -374,6 +374,7 @@ def in_flight_micro_batches(stage: int, layout: Layout) -> int:
 def layout_of(cfg: RunConfig, world_size: int) -> Layout:
     """The run's layout; config errors (naming the key) when the world size does not fit it."""
     grad_accum = validate_for_world(cfg, world_size)
+    cfg = for_world(cfg, world_size)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     return Layout(world_size=world_size, tensor=tp, pipeline=pp, data=world_size // (tp * pp),
                   zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,

@@ -10,6 +10,7 @@ import pytest
 import sentencepiece
 import torch
 from manifest_runs import manifest_run
+from pretrain_runs import LAYOUTS as RUN_LAYOUTS
 from pretrain_runs import REPO, write_config
 from safetensors.torch import load_file
 
@@ -25,8 +26,8 @@ FAMILIES = {"gpt2": [], "llama": ["model.family=llama", "model.num_query_groups=
 # the same order, so that each is trained once.
 LAYOUTS = {
     "tp1": ([], 1),
-    "tp2": (["parallel.tensor=2", "deepspeed.zero_stage=1"], 2),
-    "pp2": (["parallel.pipeline=2", "deepspeed.zero_stage=1"], 2),
+    "tp2": (RUN_LAYOUTS["tp2-zero1"], 2),
+    "pp2": (RUN_LAYOUTS["pp2-zero1"], 2),
     "zero3": (["deepspeed.zero_stage=3"], 2),
     "bf16": (["deepspeed.zero_stage=1", "deepspeed.precision=bf16"], 2),
 }

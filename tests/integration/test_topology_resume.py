@@ -27,6 +27,8 @@ from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
 pytestmark = pytest.mark.distributed
 
 ZERO1 = LAYOUTS["dp2-zero1"]
+# With one data-parallel rank an fp32 run trains at ZeRO-0 unless told to keep its stage (config.for_world).
+ZERO1_ONE_RANK = ZERO1 + ["deepspeed.zero_with_one_rank=true"]
 BF16 = ["deepspeed.precision=bf16"]
 
 
@@ -101,11 +103,12 @@ def dp2(root, trained_runs):
 @pytest.fixture(scope="module")
 def dp1(root, trained_runs):
     """Uninterrupted, 1 process: DP1/TP1/PP1/ZeRO-1."""
-    return trained_runs.copy(root / "dp1", ZERO1, nproc=1)
+    return trained_runs.copy(root / "dp1", ZERO1_ONE_RANK, nproc=1)
 
 
 @pytest.fixture(scope="module")
 def dp2_to_dp1(root, dp2):
+    """ZeRO-1 on one rank trains at ZeRO-0: the resume converts the stage with the data-parallel size."""
     return resume(dp2, root / "dp2_to_dp1", 3, ZERO1, nproc=1)
 
 
@@ -119,8 +122,8 @@ def zero1_to_zero3(root, dp2_to_dp1):
 @pytest.fixture(scope="module")
 def pp2_resumed(root, dp1):
     """dp1's step 3 resumed as DP1/TP1/PP2/ZeRO-1, saving every step (for the way back)."""
-    return resume(dp1, root / "pp2_resumed", 3, ZERO1 + ["parallel.pipeline=2", "checkpoint.save_interval=1",
-                                                         "checkpoint.keep_last=3"], nproc=2)
+    return resume(dp1, root / "pp2_resumed", 3, ZERO1_ONE_RANK + ["parallel.pipeline=2", "checkpoint.save_interval=1",
+                                                                  "checkpoint.keep_last=3"], nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,7 @@ def pp2_to_pp1(root, pp2_resumed):
 # ---------------------------------------------------------------------------- one test per change
 def test_dp2_to_dp1(dp2, dp2_to_dp1):
     assert_resumed_like(*dp2_to_dp1, dp2, 3, "checkpoint step00000003 written with DP2/TP1/PP1/ZeRO-1, resuming "
-                                             "with DP1/TP1/PP1/ZeRO-1: converted once to")
+                                             "with DP1/TP1/PP1/ZeRO-0: converted once to")
 
 
 def test_dp1_to_dp2(root, dp1):
@@ -141,7 +144,7 @@ def test_dp1_to_dp2(root, dp1):
 
 
 def test_tp1_to_tp2(root, dp1):
-    resumed = resume(dp1, root / "tp1_to_tp2", 3, ZERO1 + ["parallel.tensor=2"], nproc=2)
+    resumed = resume(dp1, root / "tp1_to_tp2", 3, ZERO1_ONE_RANK + ["parallel.tensor=2"], nproc=2)
     assert_resumed_like(*resumed, dp1, 3, "written with DP1/TP1/PP1/ZeRO-1, resuming with DP1/TP2/PP1/ZeRO-1")
 
 
@@ -173,7 +176,7 @@ def test_bf16_zero0_to_zero1_and_back(root, bf16_zero0):
     # then differ by a fraction of bf16's ulp (2^-8 = 3.9e-3): measured 7.8e-5 of the scale on one
     # machine and 2.8e-3 on another (another CPU, other vector kernels). Masters rounded to bf16
     # instead of carried fail the loss bound.
-    there = resume(bf16_zero0, root / "bf16_zero0_to_zero1", 3,
+    there = resume(bf16_zero0, root / "bf16_zero0_to_zero1", 3,  # (bf16 keeps its stage on one rank)
                    BF16 + ZERO1 + ["checkpoint.save_interval=1", "checkpoint.keep_last=3"], nproc=1)
     assert_resumed_like(*there, bf16_zero0, 3, "written with DP1/TP1/PP1/ZeRO-0, resuming with DP1/TP1/PP1/ZeRO-1",
                         state_rtol=1e-2)
@@ -186,16 +189,16 @@ def test_bf16_zero0_to_zero1_and_back(root, bf16_zero0):
 def test_conversion_is_cached(dp2_to_dp1, zero1_to_zero3):
     """The first resume of dp2's step 3 converted it; the next one, into another topology, uses that
     conversion (test_zero1_to_zero3 checks what it trains)."""
-    assert "written with DP2/TP1/PP1/ZeRO-1, resuming with DP1/TP1/PP1/ZeRO-1: converted once to" in dp2_to_dp1[1]
+    assert "written with DP2/TP1/PP1/ZeRO-1, resuming with DP1/TP1/PP1/ZeRO-0: converted once to" in dp2_to_dp1[1]
     assert "written with DP2/TP1/PP1/ZeRO-1, resuming with DP2/TP1/PP1/ZeRO-3: using its topology-free " \
            "conversion cached in" in zero1_to_zero3[1]
 
 
-def test_recorded_topologies_match_deepspeeds_record(dp2, dp2_to_dp1, pp2_resumed, pp2_to_pp1):
+def test_recorded_topologies_match_deepspeeds_record(dp2, dp1, dp2_to_dp1, pp2_resumed, pp2_to_pp1):
     """Every checkpoint's topology.json agrees with what DeepSpeed's files say (the fallback for
     checkpoints written before topology.json)."""
     seen = set()
-    for run_dir in (dp2, dp2_to_dp1[0], pp2_resumed[0], pp2_to_pp1[0]):
+    for run_dir in (dp2, dp1, dp2_to_dp1[0], pp2_resumed[0], pp2_to_pp1[0]):
         rd = RunDir(run_dir)
         for tag in rd.checkpoint_tags():
             recorded = reshard.checkpoint_topology(rd, tag)

@@ -32,14 +32,16 @@ logging: {wandb_mode: disabled, progress: false, tensorboard: false}
 checkpoint: {save_interval: 3}
 """
 
-# Two-process layouts of TINY_RUN (fixtures in conftest.py train each once per session).
+# Two-process layouts of TINY_RUN (fixtures in conftest.py train each once per session). TP2 and PP2
+# leave one data-parallel rank, where ZeRO-1 would run as ZeRO-0 unless kept (config.for_world).
+ONE_RANK_ZERO1 = ["deepspeed.zero_stage=1", "deepspeed.zero_with_one_rank=true"]
 LAYOUTS = {
     "dp2-zero0": ["deepspeed.zero_stage=0"],
     "dp2-zero1": ["deepspeed.zero_stage=1"],
     "dp2-zero2": ["deepspeed.zero_stage=2"],
     "dp2-zero3": ["deepspeed.zero_stage=3"],
-    "tp2-zero1": ["parallel.tensor=2", "deepspeed.zero_stage=1"],
-    "pp2-zero1": ["parallel.pipeline=2", "deepspeed.zero_stage=1"],
+    "tp2-zero1": ["parallel.tensor=2", *ONE_RANK_ZERO1],
+    "pp2-zero1": ["parallel.pipeline=2", *ONE_RANK_ZERO1],
 }
 
 

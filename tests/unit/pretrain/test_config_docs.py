@@ -92,7 +92,7 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
     assert (opt["decay_steps"], opt["beta1"], opt["beta2"], opt["eps"]) == (None, 0.9, 0.98, 1e-8)
     assert (opt["weight_decay"], opt["clip_grad"]) == (0.01, 1.0)
     assert cfg["data"]["manifest"] == "runs/data/shards/manifest.json"
-    assert cfg["deepspeed"] == {"zero_stage": 1, "precision": "bf16"}
+    assert cfg["deepspeed"] == {"zero_stage": 1, "precision": "bf16", "zero_with_one_rank": False}
     assert cfg["logging"]["wandb_mode"] == "offline"
     assert cfg["checkpoint"] == {"save_interval": 2000, "keep_last": 3}
 
