@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	# torch first and by exact version: on these machines this picks the local CPU wheel.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
+	# DeepSpeed's CPU communication op (shared-memory collectives), built now rather than by the first
+	# run on CPU, which would wait about 35 s for it (a no-op where the accelerator is CUDA).
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 install: $(VENV)/.installed

@@ -31,7 +31,9 @@ LAYOUTS = {
     "zero3": (["deepspeed.zero_stage=3"], 2),
     "bf16": (["deepspeed.zero_stage=1", "deepspeed.precision=bf16"], 2),
 }
-CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
+# The llama family's own mapping (GQA, gated MLP, RoPE) meets the layouts where tensor parallelism
+# splits it; pipeline stages, ZeRO partitions and bf16 are read the same for both families.
+CASES = [("gpt2", layout) for layout in LAYOUTS] + [("llama", "tp1"), ("llama", "tp2")]
 # The layouts' weights differ from one process only by summation order (measured in
 # test_consolidate.py: at most a few 1e-6 after 6 steps).
 LAYOUT_ATOL = 1e-5
@@ -116,7 +118,7 @@ def test_a_wrong_mapping_fails_verification(runs, tmp_path, monkeypatch, family,
 
 
 def test_bf16_export_verifies_and_holds_bf16_weights(runs, tmp_path):
-    figures = export(RunDir(runs["llama", "bf16"]), tmp_path / "bf16", dtype="bf16")
+    figures = export(RunDir(runs["gpt2", "bf16"]), tmp_path / "bf16", dtype="bf16")
     assert figures["passed"], figures
     assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bf16" / "model.safetensors").values())
 

@@ -352,6 +352,7 @@ def test_inspect_reports_and_detects_damage(corpus, tokenizer_path, tmp_path, ca
     assert "MISMATCH: bin sha256" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_rerun_with_other_options_rebuilds(corpus, tokenizer_path, tmp_path):
     first_manifest = build(corpus, tokenizer_path, tmp_path, "--split", SPLIT,
                            "--max-shard-tokens", "2000")

@@ -107,6 +107,7 @@ def test_corrupt_zstd_file_is_reported_not_raised(tmp_path):
     assert skips == [("corrupt_file", str(tmp_path / "bad.jsonl.zst"), 1)]
 
 
+@pytest.mark.slow
 def test_parquet_rows_with_and_without_meta(tmp_path):
     import pyarrow
     import pyarrow.parquet

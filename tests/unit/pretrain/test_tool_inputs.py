@@ -189,6 +189,7 @@ def test_the_export_stage_is_redone_when_its_directory_is_gone(tmp_path):
     assert quickstart.finished_earlier(flow, index, export) == "ok: max |Δlogit| 0 -> hf"
 
 
+@pytest.mark.slow
 def test_training_progress_is_shown_while_the_stage_runs(tmp_path, monkeypatch, capsys):
     """The stand-in 'training' appends records to metrics.jsonl over a second; each poll prints the
     latest train record and every evaluation, and the log file keeps the command's own output."""

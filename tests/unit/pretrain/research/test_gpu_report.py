@@ -162,6 +162,7 @@ def test_train_overrides_make_a_one_gpu_run_of_each_preset():
 
 
 # ---------------------------------------------------------------------------- commands
+@pytest.mark.slow
 def test_commands_log_their_output_and_stop_at_their_limit(tmp_path, monkeypatch):
     ok = gpu_report.run_command([sys.executable, "-c", "print('hello')"], tmp_path, "ok", timeout=60)
     assert ok.status == "ok" and ok.returncode == 0 and "hello" in (tmp_path / "logs" / "ok.log").read_text()

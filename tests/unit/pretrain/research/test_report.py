@@ -399,6 +399,7 @@ def test_an_invalid_evaluation_file_is_an_error_naming_it(tmp_path, content, mes
     assert str(path) in str(error.value)
 
 
+@pytest.mark.slow
 def test_command_line_and_its_errors(sweep, tmp_path, capsys):
     main([str(sweep), "--out", str(tmp_path / "out"), "--target-loss", "3.15", "--last-k", "2"])
     assert "report:" in capsys.readouterr().out

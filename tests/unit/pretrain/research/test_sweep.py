@@ -338,6 +338,7 @@ def test_invalid_evaluations_exit_2_naming_the_key(tmp_path, capsys, names, mess
     assert "spec.yaml: config error at 'evaluations'" in err and message in err
 
 
+@pytest.mark.slow
 def test_evaluations_of_a_finished_run_are_recorded_and_rerun_without_training(tmp_path, monkeypatch, capsys):
     spec = with_evaluations(write_spec(tmp_path, {"a": arm("ora")}), ["attention", "probe"])
     out = tmp_path / "out"
@@ -386,6 +387,7 @@ FAKE_TRAINING = ("import sys; from pretrain.run_dir import RunDir, Summary; code
                  "tokens_seen=0, skipped_steps=0, trainable_params=1, frozen_params=0)); sys.exit(code)")
 
 
+@pytest.mark.slow
 def test_evaluations_follow_a_finished_training_only(tmp_path, monkeypatch, capsys):
     spec = with_evaluations(write_spec(tmp_path, {"good": arm("ora"), "bad": arm("ora")}), ["attention"])
     out = tmp_path / "out"

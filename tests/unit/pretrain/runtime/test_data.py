@@ -118,6 +118,7 @@ def tokenizer(mock_run):
     return data.build_tokenizer(mock_run)
 
 
+@pytest.mark.slow
 def test_mock_datasets_are_sized_for_the_run(mock_run, tokenizer, small_mock_corpus, tmp_path, monkeypatch):
     """Train: steps × global batch samples; valid and test: eval_iters global batches. Token ids stay
     below model.vocab_size."""
