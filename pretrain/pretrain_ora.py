@@ -139,10 +139,19 @@ def versions() -> dict:
 def nothing_to_train(run_dir: RunDir, tag: Optional[str], cfg: RunConfig) -> Optional[str]:
     """The message for a run that resuming from checkpoint `tag` would not train (it has a summary
     and `tag` is its last step: the command of a finished run, again), else None. Such a run's
-    files stay as they are: no run files, resume log line or summary is written."""
-    if tag is None or not run_dir.summary.exists() or step_of_tag(tag) < cfg.train.steps:
+    files stay as they are: no run files, resume log line or summary is written. A run that early
+    stopping ended is finished too, unless its early-stopping settings changed since."""
+    if tag is None or not run_dir.summary.exists():
         return None
-    return f"run dir {run_dir.path}: finished at step {step_of_tag(tag)}, nothing to train"
+    step = step_of_tag(tag)
+    if step >= cfg.train.steps:
+        return f"run dir {run_dir.path}: finished at step {step}, nothing to train"
+    summary = run_dir.read_summary()
+    if (summary.stopped_early and summary.steps == step
+            and run_dir.read_config().train.early_stopping == cfg.train.early_stopping):
+        return (f"run dir {run_dir.path}: stopped early at step {step} (train.early_stopping), nothing to train; "
+                "change train.early_stopping to train on")
+    return None
 
 
 def unwritable(run_dir: Path) -> Optional[str]:

@@ -3,6 +3,7 @@ with fewer steps than the run has trained it is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from distributed import free_port
 from pretrain_runs import REPO, command, env, keep_environment, write_config
 
 from pretrain import pretrain_ora
+from pretrain.config import load_run_config
 from pretrain.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed  # the session's reference run trains once
@@ -71,3 +73,20 @@ def test_under_an_external_launcher_the_workers_find_nothing_to_train(finished, 
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"run dir {finished}: finished at step 6, nothing to train" in out.stderr
     assert _snapshot(finished) == before
+
+
+def test_an_early_stopped_run_is_finished_until_its_early_stopping_changes(finished, tmp_path, capsys):
+    """Resuming it would train `eval_interval` more steps and stop again, on the same evaluation."""
+    summary = RunDir(finished).read_summary()
+    RunDir(finished).write_summary(dataclasses.replace(summary, stopped_early=True))
+    config = write_config(tmp_path)
+    (finished / "config.yaml").write_text((finished / "config.yaml").read_text().replace(
+        "early_stopping:\n    enabled: false", "early_stopping:\n    enabled: true"))
+    before = _snapshot(finished)
+    assert _main(tmp_path, finished, ["train.steps=12", "train.early_stopping.enabled=true"]) == 0
+    assert (f"run dir {finished}: stopped early at step 6 (train.early_stopping), nothing to train"
+            in capsys.readouterr().err)
+    assert _snapshot(finished) == before
+    cfg = load_run_config(str(config), ["train.steps=12", "train.early_stopping.enabled=true",
+                                        "train.early_stopping.patience=20"])
+    assert pretrain_ora.nothing_to_train(RunDir(finished), "step00000006", cfg) is None
