@@ -40,13 +40,12 @@ import yaml
 
 from ora_megatron.config_io import to_dict
 from ora_megatron.families import hf_mapping_of
-from ora_megatron.model_config import ParallelConfig
-from ora_megatron.stages import build_staged_gpt
 from pretrain.checkpoint.consolidate import (
     FP32_MASTER,
     MODULE,
     Consolidated,
     consolidated_state_dict,
+    reference_model,
     tp1_parallel_state,
 )
 from pretrain.config import RunConfig
@@ -142,9 +141,9 @@ def verification_tokens(cfg: RunConfig, rows: int = 4, random_rows: int = 2) -> 
 
 def source_logits(cfg: RunConfig, state: dict, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of this project's model (TP=1, one process) holding `state`: [b, s, vocab]."""
-    with tp1_parallel_state(), torch.random.fork_rng(devices=[]), torch.no_grad():
-        model = build_staged_gpt(cfg.model, ParallelConfig())
-        model.load_state_dict(state, strict=True)
+    model = reference_model(cfg)
+    model.load_state_dict(state, strict=True)
+    with tp1_parallel_state(), torch.no_grad():
         return model.eval()(tokens)[..., : cfg.model.vocab_size].float()
 
 
