@@ -185,6 +185,7 @@ def test_user_weights_per_source(corpus, tokenizer_path, tmp_path):
               "--weights", "RedPajamaC4=1")
 
 
+@pytest.mark.slow
 def test_contiguous_split_is_ordered_disjoint_and_covering(corpus, tokenizer_path, tokenizer,
                                                           tmp_path):
     manifest = build(corpus, tokenizer_path, tmp_path, "--split-by-source",
@@ -322,6 +323,7 @@ def test_gpt_dataset_reads_the_blend(baseline, tokenizer_path, tmp_path):
                 assert any(d[-len(head):] == head for d in documents)
 
 
+@pytest.mark.slow
 def test_strict_stops_at_first_bad_record_and_leaves_nothing(corpus, tokenizer_path, tmp_path,
                                                              capsys):
     for mode in ("documents", "contiguous"):

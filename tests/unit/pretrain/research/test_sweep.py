@@ -125,7 +125,7 @@ def test_every_shipped_spec_is_tested():
     assert {p.stem for p in EXPERIMENTS.glob("*.yaml")} == set(SHIPPED) | {"common"}
 
 
-@pytest.mark.parametrize("scale", ["cpu", "paper"])
+@pytest.mark.parametrize("scale", ["cpu", pytest.param("paper", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
     spec = load_spec(EXPERIMENTS / f"{name}.yaml")

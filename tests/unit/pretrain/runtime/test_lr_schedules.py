@@ -165,6 +165,7 @@ def test_preset_override_leaving_a_restart_key_is_refused():
     assert cfg.optimizer.decay_style == "cosine"
 
 
+@pytest.mark.slow
 def test_presets_schedules_and_plot(tmp_path):
     small, base, large = (lr_schedule_plot.preset_config(n) for n in ("small", "base", "large"))
     steps, lr = lr_schedule_plot.schedule(base, stride=1000)

@@ -32,6 +32,7 @@ def _losses(zero_stage: int, steps: int = 8) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_bf16_zero0_trains_like_zero1():
     """DeepSpeed's unfused optimizer steps once with zero gradients when built, decaying its fp32
     copies and starting Adam's counts at 1 (ds_internals.undo_initial_zero_step takes that back)."""
