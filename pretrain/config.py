@@ -349,12 +349,17 @@ def preset_path(name: str) -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """The data-parallel size: the world size over tensor × pipeline."""
+    return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
+
+
 def validate_for_world(cfg: RunConfig, world_size: int) -> int:
     """Checks that need the process count; returns the gradient-accumulation steps."""
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
     check(world_size % model_parallel == 0, "parallel.tensor",
           f"world size {world_size} is not divisible by tensor × pipeline = {model_parallel}")
-    dp = world_size // model_parallel
+    dp = data_parallel_size(cfg, world_size)
     per_step = cfg.train.micro_batch_size * dp
     check(cfg.train.global_batch_size % per_step == 0, "train.global_batch_size",
           f"{cfg.train.global_batch_size} is not a multiple of micro_batch_size × data-parallel size "
@@ -379,12 +384,11 @@ def for_world(cfg: RunConfig, world_size: int) -> RunConfig:
     bf16/fp16 path is another optimizer wrapper, without fp32 gradient accumulation. The run dir records
     the stage that ran, so resuming on more ranks reshards the checkpoint like any other ZeRO change.
     """
-    data_parallel = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
     ds = cfg.deepspeed
-    if data_parallel > 1 or ds.zero_stage == 0 or ds.precision != "fp32" or ds.zero_with_one_rank:
+    if data_parallel_size(cfg, world_size) > 1 or ds.zero_stage == 0 or ds.precision != "fp32" or ds.zero_with_one_rank:
         return cfg
     return replace(cfg, deepspeed=replace(ds, zero_stage=0))
 
 
-__all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "keep_offline", "device_environment",
-           "ConfigError", "FreezeStage", "PARTIAL_FROZEN"]
+__all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "data_parallel_size", "keep_offline",
+           "device_environment", "ConfigError", "FreezeStage", "PARTIAL_FROZEN"]

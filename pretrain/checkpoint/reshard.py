@@ -46,7 +46,7 @@ from megatron.core import parallel_state
 from ora_megatron.stages import owner_names, stage_specs
 from pretrain.checkpoint.consolidate import CheckpointMismatch, merge_tensor_parallel, module_weights, reference_model
 from pretrain.checkpoint.resume_check import ResumeRefused
-from pretrain.config import RunConfig
+from pretrain.config import RunConfig, data_parallel_size
 from pretrain.run_dir import RunDir, write_text_atomic
 from pretrain.runtime.ds_internals import (
     MOMENTS,
@@ -91,7 +91,8 @@ class Topology:
 def run_topology(cfg: RunConfig, world_size: int) -> Topology:
     """The topology a run with this config and process count trains in."""
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    return Topology(world_size, world_size // (tp * pp), tp, pp, cfg.deepspeed.zero_stage, cfg.deepspeed.precision)
+    return Topology(world_size, data_parallel_size(cfg, world_size), tp, pp, cfg.deepspeed.zero_stage,
+                    cfg.deepspeed.precision)
 
 
 def engine_topology(eng) -> Topology:

@@ -44,7 +44,7 @@ from ora_megatron.cross_entropy import LOGITS_CHUNK_BYTES
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, for_world, fp32_grad_accumulation, validate_for_world
+from pretrain.config import RunConfig, data_parallel_size, for_world, fp32_grad_accumulation, validate_for_world
 from pretrain.runtime.optimizer import param_groups
 
 # DeepSpeed (and pretrain.runtime.engine / pretrain.runtime.freeze, which import it) is imported where it is used:
@@ -376,7 +376,7 @@ def layout_of(cfg: RunConfig, world_size: int) -> Layout:
     grad_accum = validate_for_world(cfg, world_size)
     cfg = for_world(cfg, world_size)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    return Layout(world_size=world_size, tensor=tp, pipeline=pp, data=world_size // (tp * pp),
+    return Layout(world_size=world_size, tensor=tp, pipeline=pp, data=data_parallel_size(cfg, world_size),
                   zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
                   micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum,
                   activation_checkpointing=cfg.train.activation_checkpointing,

@@ -17,7 +17,18 @@ import subprocess
 
 import pytest
 import torch
-from pretrain_runs import LAYOUTS, REPO, arguments, command, env, forbid_workers, losses_by_step, records, write_config
+from pretrain_runs import (
+    LAYOUTS,
+    ONE_RANK_ZERO1,
+    REPO,
+    arguments,
+    command,
+    env,
+    forbid_workers,
+    losses_by_step,
+    records,
+    write_config,
+)
 
 from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
@@ -27,8 +38,6 @@ from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
 pytestmark = pytest.mark.distributed
 
 ZERO1 = LAYOUTS["dp2-zero1"]
-# With one data-parallel rank an fp32 run trains at ZeRO-0 unless told to keep its stage (config.for_world).
-ZERO1_ONE_RANK = ZERO1 + ["deepspeed.zero_with_one_rank=true"]
 BF16 = ["deepspeed.precision=bf16"]
 
 
@@ -103,7 +112,7 @@ def dp2(root, trained_runs):
 @pytest.fixture(scope="module")
 def dp1(root, trained_runs):
     """Uninterrupted, 1 process: DP1/TP1/PP1/ZeRO-1."""
-    return trained_runs.copy(root / "dp1", ZERO1_ONE_RANK, nproc=1)
+    return trained_runs.copy(root / "dp1", ONE_RANK_ZERO1, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +131,8 @@ def zero1_to_zero3(root, dp2_to_dp1):
 @pytest.fixture(scope="module")
 def pp2_resumed(root, dp1):
     """dp1's step 3 resumed as DP1/TP1/PP2/ZeRO-1, saving every step (for the way back)."""
-    return resume(dp1, root / "pp2_resumed", 3, ZERO1_ONE_RANK + ["parallel.pipeline=2", "checkpoint.save_interval=1",
-                                                                  "checkpoint.keep_last=3"], nproc=2)
+    return resume(dp1, root / "pp2_resumed", 3, ONE_RANK_ZERO1 + ["parallel.pipeline=2", "checkpoint.save_interval=1",
+                                                                 "checkpoint.keep_last=3"], nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +153,7 @@ def test_dp1_to_dp2(root, dp1):
 
 
 def test_tp1_to_tp2(root, dp1):
-    resumed = resume(dp1, root / "tp1_to_tp2", 3, ZERO1_ONE_RANK + ["parallel.tensor=2"], nproc=2)
+    resumed = resume(dp1, root / "tp1_to_tp2", 3, ONE_RANK_ZERO1 + ["parallel.tensor=2"], nproc=2)
     assert_resumed_like(*resumed, dp1, 3, "written with DP1/TP1/PP1/ZeRO-1, resuming with DP1/TP2/PP1/ZeRO-1")
 
 
