@@ -20,14 +20,15 @@ def valid_record(step: int, loss: float) -> EvalRecord:
 
 def write_run(root: Path, arm: str, seed: int, *, final_loss: float | None = None, status: str = "finished",
               exit_code: int | None = 0, log_tail: str = "", train: list[TrainRecord] = (),
-              curve: list[tuple[int, float]] = (), frozen: int = 0, clip_grad: float = 1.0) -> RunDir:
+              curve: list[tuple[int, float]] = (), frozen: int = 0, clip_grad: float = 1.0,
+              git_revision: str = "abc") -> RunDir:
     """One sweep run at root/<arm>/seed<seed>: experiment record, config, metrics and (when finished) summary.
     Without a curve, the validation curve is 4.0 at step 10 down to final_loss at step 20."""
     run_dir = RunDir(root / arm / f"seed{seed}")
     run_dir.write_experiment(ExperimentRecord(
         experiment_id=f"spec/{arm}/seed{seed}", method=arm, seed=seed, start_time="2026-01-01T00:00:00",
         model_config={}, training_config={}, results={}, notes="", status=status, exit_code=exit_code,
-        log_tail=log_tail, config_hash="0" * 64, git_revision="abc"))
+        log_tail=log_tail, config_hash="0" * 64, git_revision=git_revision))
     run_dir.write_run_files({"optimizer": {"clip_grad": clip_grad}}, {}, {})
     curve = curve or ([(10, 4.0), (20, final_loss)] if final_loss is not None else [])
     metrics = run_dir.open_metrics()

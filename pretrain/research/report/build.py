@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, Sequence
@@ -38,6 +38,7 @@ class Settings:
     target_loss: Optional[float]
     target_source: str  # how the target was chosen
     last_k: int
+    revisions: dict[str, int]  # git revision → runs in the statistics trained at it
 
 
 @dataclass
@@ -69,6 +70,19 @@ def sort_sweep(runs: Sequence[SweepRun], reference: str) -> Sweep:
             not_used.append({"arm": run.arm, "seed": run.seed, "status": e.status, "exit_code": e.exit_code,
                              "log_line": first_line(e.log_tail), "reason": reason, "run_dir": str(run.run_dir.path)})
     return Sweep(arms, len(runs), used, not_used + missing_runs(runs, arms))
+
+
+def revisions_of(runs: Sequence[SweepRun]) -> dict[str, int]:
+    """How many of the runs each git revision trained, most runs first (from their experiment records)."""
+    return dict(Counter(run.experiment.git_revision for run in runs).most_common())
+
+
+def revisions_text(revisions: dict[str, int]) -> str:
+    listed = ", ".join(f"`{revision[:12]}` × {n}" for revision, n in revisions.items())
+    if len(revisions) > 1:
+        return (f"Code: the runs span {len(revisions)} git revisions ({listed}); they compare as far as "
+                "those revisions train alike.")
+    return f"Code: every run at git revision {listed}." if revisions else "Code: no run in the statistics."
 
 
 def missing_runs(runs: Sequence[SweepRun], arms: Sequence[str]) -> list[dict]:
@@ -399,6 +413,7 @@ Inputs: {inputs}. Runs found: {sweep.found}, in the statistics: {len(sweep.used)
 listed as not in the statistics: {len(sweep.not_used)} (missing seeds included).
 Reference arm: `{settings.reference}`. Target validation loss: {target} ({settings.target_source}). \
 Last k: {settings.last_k}.
+{revisions_text(settings.revisions)}
 
 ## Final validation loss per arm
 
@@ -452,7 +467,7 @@ def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
     sweep = sort_sweep(runs, reference)
     reference_final = {r.seed: r.run_dir.read_summary().final_valid_loss for r in sweep.used if r.arm == reference}
     target, source = choose_target(target_loss, reference, reference_final)
-    settings = Settings([str(p) for p in inputs], reference, target, source, last_k)
+    settings = Settings([str(p) for p in inputs], reference, target, source, last_k, revisions_of(sweep.used))
     measures = [measure_run(run, target, last_k) for run in sweep.used]
     evaluations = {(run.arm, run.seed): read_evaluations(run.run_dir) for run in sweep.used}
     by_layer = per_layer_runs(sweep.arms, sweep.used, evaluations)

@@ -15,7 +15,7 @@ from sweep_runs import train_record, valid_record, write_evaluation, write_run
 
 from pretrain.research.report import plots
 from pretrain.research.report.__main__ import main
-from pretrain.research.report.build import build_report, layer_plot_name
+from pretrain.research.report.build import build_report, layer_plot_name, revisions_text
 from pretrain.research.report.latex import write_latex
 from pretrain.research.report.runs import (
     ReportError,
@@ -178,9 +178,9 @@ def sweep(tmp_path_factory) -> Path:
         write_run(root, "ora", seed, final_loss=loss, frozen=200,
                   train=[train_record(10, 0.1, peak_mem_bytes=2**29, tokens_per_s=1500.0),
                          train_record(20, 0.1, peak_mem_bytes=2**29, tokens_per_s=1700.0)])
-    write_run(root, "ora", 98765, status="failed", exit_code=3,
+    write_run(root, "ora", 98765, status="failed", exit_code=3, git_revision="fff",
               log_tail="RuntimeError: 5 consecutive steps had non-finite loss\nTraceback (most recent call last):")
-    write_run(root, "frozen_gaussian", 42, final_loss=3.4)
+    write_run(root, "frozen_gaussian", 42, final_loss=3.4, git_revision="def")
     write_run(root, "synthesizer_random", 42, status="running", exit_code=None)
     write_evaluations(root)
     return root
@@ -248,6 +248,13 @@ def test_default_target_is_the_reference_worst_final_loss(report):
     assert runs[("ora", 2024)]["target_reached"] is False and runs[("ora", 2024)]["steps_to_target"] is None
     md = {(r["arm"], r["seed"]): r for r in markdown_table((report / "report.md").read_text(), "Per run")}
     assert md[("ora", "2024")]["steps to target"] == "not reached"
+
+
+def test_the_report_names_the_revisions_its_runs_trained_at(report):
+    # Counted over the runs in the statistics: the failed run's revision is not among them.
+    assert report_json(report)["settings"]["revisions"] == {"abc": 7, "def": 1}
+    assert "the runs span 2 git revisions (`abc` × 7, `def` × 1)" in (report / "report.md").read_text()
+    assert revisions_text({"abc": 3}) == "Code: every run at git revision `abc` × 3."
 
 
 def test_convergence_and_cost_per_arm(report):
