@@ -42,7 +42,7 @@ SHIPPED = {
     "a5": (["seq_0.25x", "seq_1x", "seq_2x", "seq_4x"], "seq_1x"),
     "a6": (["layers4", "layers8", "layers12", "layers24"], "layers4"),
     "a7": (["qr", "svd", "householder", "cayley", "hadamard"], "qr"),
-    "probes": (["vanilla", "ora", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
+    "probes": (["vanilla", "ora", "ora_init_trainable", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
 }
 
 # Overrides of tests/pretrain_runs.py's tiny mock-data run for a sweep that finishes in seconds.
