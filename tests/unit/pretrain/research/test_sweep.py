@@ -37,11 +37,12 @@ SHIPPED = {
                    "fixed_random_attention", "partial_frozen"], "vanilla"),
     "a1": (["orthogonal", "gaussian", "uniform", "gaussian_matched", "uniform_matched"], "orthogonal"),
     "a2": (["both_frozen", "q_trainable", "k_trainable", "both_trainable", "vanilla"], "both_frozen"),
-    "a3": (["heads2", "heads4", "heads8", "heads16"], "heads8"),
-    "a4": (["width_0.5x", "width_1x", "width_1.5x", "width_2x"], "width_1x"),
-    "a5": (["seq_0.25x", "seq_1x", "seq_2x", "seq_4x"], "seq_1x"),
-    "a6": (["layers4", "layers8", "layers12", "layers24"], "layers4"),
-    "a7": (["qr", "svd", "householder", "cayley", "hadamard"], "qr"),
+    # A3-A6: every shape with ORA and its vanilla twin
+    "a3": ([f"heads{n}_{m}" for n in (2, 4, 8, 16) for m in ("ora", "vanilla")], "heads8_vanilla"),
+    "a4": ([f"width_{w}_{m}" for w in ("0.5x", "1x", "1.5x", "2x") for m in ("ora", "vanilla")], "width_1x_vanilla"),
+    "a5": ([f"seq_{x}_{m}" for x in ("0.25x", "1x", "2x", "4x") for m in ("ora", "vanilla")], "seq_1x_vanilla"),
+    "a6": ([f"layers{n}_{m}" for n in (4, 8, 12, 24) for m in ("ora", "vanilla")], "layers4_vanilla"),
+    "a7": (["qr", "svd", "householder", "cayley", "hadamard", "vanilla"], "vanilla"),
     "probes": (["vanilla", "ora", "ora_init_trainable", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
 }
 
