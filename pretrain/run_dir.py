@@ -380,9 +380,6 @@ class RunDir:
         write_text_atomic(self.integrity_record_file(tag), json.dumps(record, indent=1) + "\n")
         return record
 
-    def has_integrity_record(self, tag: str) -> bool:
-        return self.integrity_record_file(tag).is_file()
-
     def verify_checkpoint(self, tag: str) -> list[str]:
         """What is wrong with a tag's files against its integrity record (each problem names its
         file); empty when every recorded file is there with its size and checksum. Sizes are

@@ -30,12 +30,7 @@ from ora_megatron.orthogonal import matches_regenerated
 from pretrain.checkpoint import reshard
 from pretrain.config import CheckpointConfig
 from pretrain.run_dir import RunDir, checkpoint_tag
-from pretrain.runtime.ds_internals import (
-    LEGACY_NUMPY_ARRAY,
-    legacy_uint32_array,
-    restrict_checkpoint_loading,
-    safe_load,
-)
+from pretrain.runtime.ds_internals import restrict_checkpoint_loading, safe_load
 
 
 @dataclass
@@ -175,12 +170,9 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(path: Path) -> None:
-    """Restore this process's RNG states from its file of a checkpoint, read with the restricted unpickler.
-    Files written before `_rng_state` saved a list hold numpy's keys as a numpy array, read as data."""
-    state = safe_load(path, allowed=LEGACY_NUMPY_ARRAY)
+    """Restore this process's RNG states from its file of a checkpoint, read with the restricted unpickler."""
+    state = safe_load(path)
     name, keys, *rest = state["numpy"]
-    if not isinstance(keys, list):
-        keys = legacy_uint32_array(keys, path)
     random.setstate(state["python"])
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])

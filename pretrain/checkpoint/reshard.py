@@ -51,7 +51,6 @@ from pretrain.run_dir import RunDir, write_text_atomic
 from pretrain.runtime.ds_internals import (
     MOMENTS,
     base_optimizer,
-    checkpoint_layout,
     extract_zero_fragments,
     full_optimizer_state,
     has_partitioned_optimizer_files,
@@ -135,24 +134,8 @@ def optimizer_record(eng) -> dict:
 
 # ---------------------------------------------------------------------------- before the workers start
 def checkpoint_topology(run_dir: RunDir, tag: str) -> Topology:
-    """The topology a checkpoint was written with: its topology.json, or for a checkpoint written
-    before those existed, DeepSpeed's own record in its model-states file."""
-    recorded = run_dir.topology_file(tag)
-    if recorded.is_file():
-        return Topology(**json.loads(recorded.read_text()))
-    return deepspeed_recorded_topology(run_dir.checkpoint(tag))
-
-
-def deepspeed_recorded_topology(checkpoint: Path) -> Topology:
-    """What DeepSpeed's model-states file says about the layout that wrote it."""
-    try:
-        layout = checkpoint_layout(checkpoint)
-    except Exception as e:  # a damaged file of a checkpoint without integrity record: torch raises many kinds
-        raise ResumeRefused(f"cannot read which layout wrote {checkpoint} from its DeepSpeed model-states file: "
-                            f"{type(e).__name__}: {e}") from None
-    if layout is None:
-        raise ResumeRefused(f"{checkpoint} holds no DeepSpeed model-states file")
-    return Topology(world_size=layout["data"] * layout["tensor"] * layout["pipeline"], **layout)
+    """The topology a checkpoint was written with (its topology.json, covered by its integrity record)."""
+    return Topology(**json.loads(run_dir.topology_file(tag).read_text()))
 
 
 def converted_dir(run_dir: RunDir, tag: str) -> Path:
@@ -195,27 +178,20 @@ def plan_topology_change(run_dir: RunDir, tag: Optional[str], cfg: RunConfig,
     source, target = checkpoint_topology(run_dir, tag), run_topology(cfg, world_size)
     if source == target:
         return None
-    problem = _unconvertible(run_dir, tag, source, target)
+    problem = _unconvertible(source, target)
     if problem:
         raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag} (written with {source}) "
                             f"with {target}: {problem}")
     return TopologyChange(run_dir, tag, cfg, source, target)
 
 
-def _unconvertible(run_dir: RunDir, tag: str, source: Topology, target: Topology) -> Optional[str]:
+def _unconvertible(source: Topology, target: Topology) -> Optional[str]:
     if source.precision != target.precision:
         return (f"deepspeed.precision {source.precision} → {target.precision}: a topology change keeps the "
                 "checkpoint's precision")
     if source.precision == "fp16":
         return ("fp16's dynamic loss scale lives in DeepSpeed's optimizer wrapper and is not carried to another "
                 "topology; resume with the checkpoint's topology")
-    checkpoint = run_dir.checkpoint(tag)
-    if is_converted(run_dir, tag) or has_partitioned_optimizer_files(checkpoint):
-        return None
-    files = sorted(checkpoint.glob("mp_rank_*_model_states.pt"))
-    if not files or torch_optimizer_state(files[0], OPTIMIZER_RECORD)[1] is None:
-        return (f"its ZeRO-0 optimizer state does not record which parameter each entry belongs to (written "
-                f"before {OPTIMIZER_RECORD} was saved); resume with {source} once and save again")
     return None
 
 

@@ -6,9 +6,7 @@ message and exit status 2 instead of a traceback inside the workers. Both checks
 
 1. Integrity. From the `latest` pointer backwards, the first checkpoint whose files match its
    integrity record (size and sha256 of every file, written by the save) is the one to resume
-   from; every damaged one on the way is reported with the file at fault. A checkpoint without a
-   record predates records and is loaded unverified (with a warning) — unless an older checkpoint
-   of the run has one: then this code wrote it, and a missing record means it is damaged.
+   from; every damaged one on the way (a missing record included) is reported with the file at fault.
    DeepSpeed's files of the chosen checkpoint must then unpickle as data (tensors and DeepSpeed's
    records, read with the restricted unpickler): a record matches whatever its writer put there.
 2. Config compatibility. The run's saved resolved config (config.yaml) and the new one are
@@ -128,18 +126,14 @@ class ResumePlan:
     tag: Optional[str] = None
     latest: Optional[str] = None  # the pointer as found
     skipped: dict[str, list[str]] = field(default_factory=dict)  # damaged tag -> what is wrong
-    unverified: bool = False  # `tag` predates integrity records
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # allowed config changes
 
     def notices(self) -> list[str]:
-        """Warnings (damaged or unverified checkpoints) and the one line of config changes."""
+        """Warnings (damaged checkpoints) and the one line of config changes."""
         lines = [f"warning: checkpoint {tag} is damaged ({'; '.join(problems)}); skipped"
                  for tag, problems in self.skipped.items()]
         if self.skipped:
             lines.append(f"warning: resuming from {self.tag}, the newest intact checkpoint")
-        if self.unverified:
-            lines.append(f"warning: checkpoint {self.tag} has no integrity record (written before records "
-                         "existed): loading it unverified")
         if self.changes:
             lines.append(f"resuming from {self.tag} with changed settings: "
                          + ", ".join(describe(k, *v) for k, v in self.changes.items()))
@@ -152,7 +146,7 @@ class ResumePlan:
         if self.tag != self.latest:
             run_dir.set_latest_checkpoint(self.tag)
         run_dir.log_resume({"checkpoint": self.tag, "step": step_of_tag(self.tag), "latest_was": self.latest,
-                            "skipped": self.skipped, "unverified": self.unverified,
+                            "skipped": self.skipped,
                             "changes": {k: list(v) for k, v in self.changes.items()}})
 
 
@@ -163,14 +157,14 @@ def check_resume(run_dir: RunDir, cfg: RunConfig, world_size: int) -> ResumePlan
     latest = run_dir.latest_checkpoint()
     if latest is None:
         return ResumePlan()
-    tag, skipped, unverified = choose_checkpoint(run_dir, latest)
+    tag, skipped = choose_checkpoint(run_dir, latest)
     check_files_are_data(run_dir, tag)
     if cfg.train.steps < step_of_tag(tag):
         raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag} with train.steps={cfg.train.steps}: "
                             f"the run has trained {step_of_tag(tag)} steps. Resume with train.steps >= "
                             f"{step_of_tag(tag)}, or start a shorter run with another --run-dir.")
     changes = check_config(run_dir, tag, cfg, world_size)
-    return ResumePlan(tag=tag, latest=latest, skipped=skipped, unverified=unverified, changes=changes)
+    return ResumePlan(tag=tag, latest=latest, skipped=skipped, changes=changes)
 
 
 def check_files_are_data(run_dir: RunDir, tag: str) -> None:
@@ -185,8 +179,8 @@ def check_files_are_data(run_dir: RunDir, tag: str) -> None:
         raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag}: {e}") from None
 
 
-def choose_checkpoint(run_dir: RunDir, latest: str) -> tuple[str, dict[str, list[str]], bool]:
-    """(tag, damaged tags -> problems, unverified): the newest intact checkpoint at or before `latest`."""
+def choose_checkpoint(run_dir: RunDir, latest: str) -> tuple[str, dict[str, list[str]]]:
+    """(tag, damaged tags -> problems): the newest intact checkpoint at or before `latest`."""
     try:
         newest = step_of_tag(latest)
     except ValueError:
@@ -194,16 +188,11 @@ def choose_checkpoint(run_dir: RunDir, latest: str) -> tuple[str, dict[str, list
     candidates = [t for t in reversed(run_dir.checkpoint_tags()) if step_of_tag(t) <= newest]
     if latest not in candidates:  # its directory is gone: reported as damaged below
         candidates.insert(0, latest)
-    recorded = [step_of_tag(t) for t in candidates if run_dir.has_integrity_record(t)]
     skipped: dict[str, list[str]] = {}
     for tag in candidates:
-        legacy = (run_dir.checkpoint(tag).is_dir() and not run_dir.has_integrity_record(tag)
-                  and not any(step < step_of_tag(tag) for step in recorded))
-        if legacy:
-            return tag, skipped, True
         problems = run_dir.verify_checkpoint(tag)
         if not problems:
-            return tag, skipped, False
+            return tag, skipped
         skipped[tag] = problems
     lines = "\n".join(f"  {tag}: {'; '.join(problems)}" for tag, problems in skipped.items())
     raise ResumeRefused(f"no intact checkpoint to resume {run_dir.path} from:\n{lines}\n"

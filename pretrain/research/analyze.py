@@ -1,7 +1,6 @@
 """What frozen Q/K do to attention routing, measured on a trained run's own weights.
 
     python -m pretrain.research.analyze --run-dir RUN [--checkpoint TAG] [--out DIR] [--tokens N] [--device cpu|cuda]
-    (or python -m pretrain.analyze)
 
 The checkpoint (default: the latest) is consolidated to fp32 (pretrain/checkpoint/consolidate.py:
 frozen Q/K regenerated) and run in eval mode, in fp32, on the first sequences of the run's

@@ -17,7 +17,6 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import numpy as np
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -266,39 +265,6 @@ def check_checkpoint_files(checkpoint_dir) -> None:
         safe_load(path, mmap=True)
 
 
-class _PickledNumpyObject:
-    """Stands in for numpy's array-rebuilding globals while a legacy RNG file is read: keeps what the
-    pickle passes (arguments, then state) and runs no numpy code on the file's bytes."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-LEGACY_NUMPY_ARRAY = tuple((_PickledNumpyObject, name) for name in
-                           ("numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct",
-                            "numpy.ndarray", "numpy.dtype"))
-"""`safe_load(..., allowed=LEGACY_NUMPY_ARRAY)`: numpy arrays come back as stand-ins for `legacy_uint32_array`
-(numpy's own unpickling is outside what the restricted unpickler vouches for)."""
-
-
-def legacy_uint32_array(array, path) -> np.ndarray:
-    """The values of a 1-d little-endian uint32 numpy array read with LEGACY_NUMPY_ARRAY (numpy's pickle:
-    `_reconstruct(ndarray, (0,), b"b")`, then the state (version, shape, dtype('u4'), fortran order, bytes))."""
-    try:
-        _, shape, dtype, _, data = array.state
-        valid = (dtype.args[0] == "u4" and dtype.state[1] in ("<", "|") and len(shape) == 1
-                 and isinstance(data, bytes) and len(data) == 4 * shape[0])
-    except (AttributeError, IndexError, TypeError, ValueError):
-        valid = False
-    if not valid:
-        raise UnsafeCheckpointFile(f"{path}: not loaded: it holds a numpy object other than the uint32 array "
-                                   "of numpy's RNG state")
-    return np.frombuffer(data, dtype="<u4").copy()
-
-
 class RestrictedCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, loading through `safe_load` (its own load unpickles without
     restriction). The engine reads every file of `load_checkpoint` through it: model states, ZeRO
@@ -331,22 +297,6 @@ def restrict_checkpoint_loading(engine) -> None:
 # stage's (its never-used position-embedding replica left the owner's exp_avg all zeros). Its
 # extraction step is sound, so the functions below call that step and DeepSpeed's DP-merge of the
 # fragments; the TP merge is the project's own (megatron's partition_dim / partition_stride).
-
-def checkpoint_layout(checkpoint_dir) -> Optional[dict]:
-    """(DP, TP, PP, ZeRO stage, precision) a DeepSpeed checkpoint was written with, from DeepSpeed's own
-    record in its model-states file: `dp_world_size`, `checkpoint_parallel_dimensions` (pp_degree,
-    tp_degree) and the `ds_config` it ran with (undocumented keys of `engine._save_checkpoint`).
-    Loaded with mmap, so no tensor is read. None when the directory holds no model-states file."""
-    files = sorted(p for p in Path(checkpoint_dir).glob("*model_states.pt") if not p.name.startswith("layer_"))
-    if not files:
-        return None
-    state = safe_load(files[0], mmap=True)
-    dims, config = state["checkpoint_parallel_dimensions"], state["ds_config"]
-    precision = next((p for p in ("bf16", "fp16") if config.get(p, {}).get("enabled")), "fp32")
-    return {"data": int(state["dp_world_size"]), "tensor": int(dims["tp_degree"]),
-            "pipeline": int(dims["pp_degree"]), "zero_stage": int(config["zero_optimization"]["stage"]),
-            "precision": precision}
-
 
 def has_partitioned_optimizer_files(checkpoint_dir) -> bool:
     """True when the optimizer state is in `[bf16_]zero_pp_rank_*_optim_states.pt` files (ZeRO-1/2/3, and

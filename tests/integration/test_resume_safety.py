@@ -148,11 +148,11 @@ def test_no_intact_checkpoint_is_refused(copied, capsys, monkeypatch):
     assert f"step00000003: {flipped} does not match its recorded sha256" in stderr
 
 
-def test_missing_record_is_damage_unless_the_run_predates_records(copied, capsys, monkeypatch):
+def test_missing_record_is_damage(copied, capsys, monkeypatch):
     """--check-only reports the decision and writes nothing."""
     config, run_dir = copied
     rd = RunDir(run_dir)
-    rd.integrity_record_file("step00000006").unlink()  # an older checkpoint has one: this code wrote it
+    rd.integrity_record_file("step00000006").unlink()
     before = _snapshot(run_dir)
     code, stdout, stderr = _check_only(config, run_dir, capsys, monkeypatch)
     assert code == 0, stderr[-3000:]
@@ -160,11 +160,10 @@ def test_missing_record_is_damage_unless_the_run_predates_records(copied, capsys
     assert "resumes from step00000003" in stdout
     assert _snapshot(run_dir) == before
 
-    rd.integrity_record_file("step00000003").unlink()  # no record anywhere: written before records existed
-    code, stdout, stderr = _check_only(config, run_dir, capsys, monkeypatch)
-    assert code == 0, stderr[-3000:]
-    assert "checkpoint step00000006 has no integrity record" in stderr and "damaged" not in stderr
-    assert "resumes from step00000006" in stdout
+    rd.integrity_record_file("step00000003").unlink()  # no record anywhere: nothing is intact
+    stderr = _refused_without_starting(config, run_dir, [], capsys, monkeypatch)
+    assert f"no intact checkpoint to resume {run_dir} from" in stderr
+    assert f"step00000003: {rd.integrity_record_file('step00000003')} is missing" in stderr
 
 
 def test_every_config_key_has_an_explicit_policy():

@@ -32,7 +32,6 @@ from pretrain_runs import (
 
 from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.resume_check import ResumeRefused
 from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed
@@ -203,17 +202,11 @@ def test_conversion_is_cached(dp2_to_dp1, zero1_to_zero3):
            "conversion cached in" in zero1_to_zero3[1]
 
 
-def test_recorded_topologies_match_deepspeeds_record(dp2, dp1, dp2_to_dp1, pp2_resumed, pp2_to_pp1):
-    """Every checkpoint's topology.json agrees with what DeepSpeed's files say (the fallback for
-    checkpoints written before topology.json)."""
-    seen = set()
-    for run_dir in (dp2, dp1, dp2_to_dp1[0], pp2_resumed[0], pp2_to_pp1[0]):
-        rd = RunDir(run_dir)
-        for tag in rd.checkpoint_tags():
-            recorded = reshard.checkpoint_topology(rd, tag)
-            assert rd.topology_file(tag).is_file()
-            assert reshard.deepspeed_recorded_topology(rd.checkpoint(tag)) == recorded, f"{run_dir.name}/{tag}"
-            seen.add(str(recorded))
+def test_recorded_topologies(dp2, dp1, dp2_to_dp1, pp2_resumed, pp2_to_pp1):
+    """Every checkpoint records the topology that wrote it in its topology.json."""
+    seen = {str(reshard.checkpoint_topology(RunDir(run_dir), tag))
+            for run_dir in (dp2, dp1, dp2_to_dp1[0], pp2_resumed[0], pp2_to_pp1[0])
+            for tag in RunDir(run_dir).checkpoint_tags()}
     assert seen == {"DP2/TP1/PP1/ZeRO-1", "DP1/TP1/PP1/ZeRO-1", "DP1/TP1/PP2/ZeRO-1", "DP1/TP1/PP1/ZeRO-0"}
 
 
@@ -227,14 +220,3 @@ def test_global_batch_change_is_refused_before_workers_start(dp2, capsys, monkey
     assert "run dir:" not in stderr, "no worker started"
 
 
-def test_zero0_checkpoint_without_parameter_record_is_refused(root, pp2_to_pp1):
-    """ZeRO-0 saves torch's numbered optimizer entries; without the record naming them (a checkpoint
-    written before it existed) there is no conversion."""
-    legacy = RunDir(shutil.copytree(pp2_to_pp1[0], root / "legacy_zero0"))
-    shutil.rmtree(reshard.converted_dir(legacy, "step00000006"), ignore_errors=True)
-    model_file = legacy.checkpoint("step00000006") / "mp_rank_00_model_states.pt"
-    state = torch.load(model_file, weights_only=False)
-    del state[reshard.OPTIMIZER_RECORD]
-    torch.save(state, model_file)
-    with pytest.raises(ResumeRefused, match="does not record which parameter each entry belongs to"):
-        reshard.plan_topology_change(legacy, "step00000006", legacy.read_config(), 2)

@@ -1,6 +1,6 @@
 """The documentation's commands and links work as written: every `python -m MODULE` that README.md
-or a page under docs/ (and the other READMEs) names answers `--help` under that name, not a moved
-module's old one, and every relative link points to a file that exists."""
+or a page under docs/ (and the other READMEs) names answers `--help`, and every relative link points
+to a file that exists."""
 
 from __future__ import annotations
 
@@ -14,10 +14,6 @@ from urllib.parse import unquote
 
 import pytest
 from pretrain_runs import REPO
-
-import data_tools
-import pretrain
-from ora_megatron.module_aliases import MovedModules
 
 PROJECT_PACKAGES = ("pretrain", "data_tools", "ora_megatron")
 # Folders that hold no documentation of ours (environments, run outputs, caches).
@@ -49,13 +45,6 @@ def documented_modules() -> dict[str, list[str]]:
         for name in MODULE_COMMAND.findall(doc.read_text()):
             modules.setdefault(name, []).append(relative(doc))
     return modules
-
-
-def moved_to(name: str) -> str | None:
-    """The new name of a module the documentation still calls by its old one (None: not moved)."""
-    assert pretrain and data_tools  # imported: their tables of moved modules are installed
-    finders = [f for f in sys.meta_path if isinstance(f, MovedModules)]
-    return next((new for new in (f.new_name(name) for f in finders) if new), None)
 
 
 def exists(module: str) -> bool:
@@ -97,8 +86,6 @@ def keep_environment():
 @pytest.mark.parametrize("module", sorted(DOCUMENTED))
 def test_documented_module_answers_help(module, monkeypatch, capsys, keep_environment):
     where = ", ".join(sorted(set(DOCUMENTED[module])))
-    new = moved_to(module)
-    assert new is None, f"{where}: `python -m {module}` is an old name, now {new}"
     assert exists(module), f"{where}: `python -m {module}`: no such module"
     if module.split(".")[0] not in PROJECT_PACKAGES:
         return  # a tool's own command (pip, venv, ...): that it exists is all we check
@@ -126,7 +113,7 @@ def test_relative_links_point_to_existing_files(doc):
 
 
 def test_a_module_that_does_not_exist_is_caught():
-    """The check above fails for a misspelt or removed module, and for a moved module's old name."""
+    """The check above fails for a misspelt or removed module."""
     assert not exists("pretrain.no_such_module") and not exists("no_such_package.module")
-    assert moved_to("pretrain.convert_to_hf") == "pretrain.export.convert_to_hf"
+    assert not exists("pretrain.convert_to_hf")  # a module's place before the stages had folders
     assert MODULE_COMMAND.findall("run `python -m pretrain.research.report DIR…`.") == ["pretrain.research.report"]

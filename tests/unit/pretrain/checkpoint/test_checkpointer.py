@@ -84,7 +84,7 @@ def test_save_writes_every_file_then_the_integrity_record_then_latest(trained, t
     monkeypatch.setattr(run_dir, "write_integrity_record", lambda t: (
         events.append(("integrity", tuple(run_dir.checkpoint_files(t)))), write_record(t))[1])
     monkeypatch.setattr(run_dir, "set_latest_checkpoint", lambda t: (
-        events.append(("latest", run_dir.has_integrity_record(t))), set_latest(t)))
+        events.append(("latest", run_dir.integrity_record_file(t).is_file())), set_latest(t)))
 
     assert ckpt.save(trained, TrainState(step=3)) == tag
 

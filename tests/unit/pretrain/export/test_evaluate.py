@@ -1,4 +1,4 @@
-"""pretrain.evaluate: lm-evaluation-harness on an export, end to end on a local multiple-choice task, its
+"""pretrain.export.evaluate: lm-evaluation-harness on an export, end to end on a local multiple-choice task, its
 numbers checked against the model's own log-probabilities; and what it refuses, offline, without a network."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ DOCS = [
 
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
-    """This process as `python -m pretrain.evaluate` starts: the hub off (the libraries read the flag at
+    """This process as `python -m pretrain.export.evaluate` starts: the hub off (the libraries read the flag at
     import, and this process may have imported them already), and no LOCAL_RANK, which a one-process group
     of an earlier test leaves set (ora_megatron.parallel) and accelerate would take for a distributed launch."""
     import datasets
