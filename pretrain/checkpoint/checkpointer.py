@@ -28,9 +28,9 @@ from deepspeed.runtime.zero import GatheredParameters
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.orthogonal import matches_regenerated
 from pretrain.checkpoint import reshard
+from pretrain.checkpoint.unpickling import restrict_checkpoint_loading, safe_load
 from pretrain.config import CheckpointConfig
 from pretrain.run_dir import RunDir, checkpoint_tag
-from pretrain.runtime.ds_internals import restrict_checkpoint_loading, safe_load
 
 
 @dataclass

@@ -38,9 +38,9 @@ from ora_megatron.model_config import ParallelConfig
 from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
 from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_specs
+from pretrain.checkpoint.unpickling import check_checkpoint_files, safe_load
 from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir
-from pretrain.runtime.ds_internals import check_checkpoint_files, safe_load
 from pretrain.runtime.freeze import freeze_stage_index, trainability
 
 FP32_MASTER = "fp32_master"

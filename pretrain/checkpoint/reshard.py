@@ -12,7 +12,7 @@ checkpoint once, before any worker starts, to a topology-free form cached in the
 
 one entry per optimizer-held parameter, under the `{stage}.{param}` names of the TP=1 model, full
 (TP shards merged along megatron's partition_dim / partition_stride, as consolidation does), fp32.
-Partitioned optimizer files are read with DeepSpeed's own extraction (pretrain/runtime/ds_internals.py); ZeRO-0
+Partitioned optimizer files are read with DeepSpeed's own extraction (zero_files.py); ZeRO-0
 keeps torch's optimizer state dict (in bf16 beside DeepSpeed's fp32 copies of the weights), whose
 parameter order each checkpoint records (`optimizer_record`, saved as DeepSpeed client state).
 
@@ -46,20 +46,22 @@ from megatron.core import parallel_state
 from ora_megatron.stages import owner_names, stage_specs
 from pretrain.checkpoint.consolidate import CheckpointMismatch, merge_tensor_parallel, module_weights, reference_model
 from pretrain.checkpoint.resume_check import ResumeRefused
+from pretrain.checkpoint.unpickling import safe_load
+from pretrain.checkpoint.zero_files import (
+    extract_zero_fragments,
+    has_partitioned_optimizer_files,
+    merged_fragments,
+    torch_optimizer_state,
+)
 from pretrain.config import RunConfig, data_parallel_size
 from pretrain.run_dir import RunDir, write_text_atomic
 from pretrain.runtime.ds_internals import (
     MOMENTS,
     base_optimizer,
-    extract_zero_fragments,
     full_optimizer_state,
-    has_partitioned_optimizer_files,
     link_optimizer_fragments,
-    merged_fragments,
     optimizer_flat_params,
-    safe_load,
     set_full_optimizer_state,
-    torch_optimizer_state,
     whole_tensor_masters,
 )
 from pretrain.runtime.engine import PipelinedGPT

@@ -168,10 +168,10 @@ def check_resume(run_dir: RunDir, cfg: RunConfig, world_size: int) -> ResumePlan
 
 
 def check_files_are_data(run_dir: RunDir, tag: str) -> None:
-    """DeepSpeed's files of the checkpoint unpickle with the restricted unpickler (pretrain/runtime/ds_internals.py;
+    """DeepSpeed's files of the checkpoint unpickle with the restricted unpickler (pretrain/checkpoint/unpickling.py;
     the workers read the run's own files with it too). Its integrity record cannot vouch for that: whoever
     wrote a received run dir wrote the record too."""
-    from pretrain.runtime.ds_internals import UnsafeCheckpointFile, check_checkpoint_files  # imports DeepSpeed
+    from pretrain.checkpoint.unpickling import UnsafeCheckpointFile, check_checkpoint_files  # imports DeepSpeed
 
     try:
         check_checkpoint_files(run_dir.checkpoint(tag))

@@ -48,6 +48,7 @@ from pretrain.checkpoint.consolidate import (
     reference_model,
     tp1_parallel_state,
 )
+from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
 from pretrain.config import RunConfig
 from pretrain.export.export_record import (
     EXPORT_RECORD,
@@ -57,7 +58,6 @@ from pretrain.export.export_record import (
     write_export_record,
 )
 from pretrain.run_dir import RunDir
-from pretrain.runtime.ds_internals import UnsafeCheckpointFile
 
 EXIT_ERROR, EXIT_VERIFY_FAILED = 2, 1
 TOLERANCE = {"max_abs_logit": 1e-4, "mean_kl": 1e-9}

@@ -60,10 +60,10 @@ from matplotlib.figure import Figure
 from ora_megatron.attention import RandomQKVLinear, SynthesizerAttention
 from ora_megatron.stages import DecoderLayerStage, StagedGPT
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
+from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
 from pretrain.config import RunConfig
 from pretrain.research.report.plots import _save
 from pretrain.run_dir import RunDir
-from pretrain.runtime.ds_internals import UnsafeCheckpointFile
 
 NAME = "attention"
 DEFAULT_TOKENS = 4096

@@ -32,8 +32,8 @@ from data_tools.manifest import SPLITS, load_manifest, manifest_path
 from data_tools.probe_tasks import read_examples
 from data_tools.readers import DataError
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
+from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
 from pretrain.run_dir import RunDir
-from pretrain.runtime.ds_internals import UnsafeCheckpointFile
 
 NAME = "probe"
 EXIT_ERROR = 2

@@ -1,6 +1,6 @@
 """A run dir received from someone else is data: none of its files can run code when it is resumed,
 consolidated, converted to another topology or exported — even with its integrity record rewritten
-to match. Every load goes through the restricted unpickler (pretrain/runtime/ds_internals.py: safe_load, and
+to match. Every load goes through the restricted unpickler (pretrain/checkpoint/unpickling.py: safe_load, and
 DeepSpeed's own readers behind a restricted checkpoint engine or a check of its files first).
 
 Each test copies a trained run (tests/conftest.py), replaces one file with a pickle that, unpickled,
@@ -25,10 +25,10 @@ from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, _rng_state, _set_rng_state
 from pretrain.checkpoint.consolidate import consolidated_state_dict
+from pretrain.checkpoint.unpickling import UnsafeCheckpointFile, safe_load
 from pretrain.config import validate_for_world
 from pretrain.export import convert_to_hf
 from pretrain.run_dir import RunDir
-from pretrain.runtime.ds_internals import UnsafeCheckpointFile, safe_load
 from pretrain.runtime.engine import build_engine
 
 MODEL_STATES = "mp_rank_00_model_states.pt"

@@ -69,7 +69,7 @@ def trainings_preempted_at(rank: int, config_path: str, trainings: list) -> list
 
     from pretrain.config import load_run_config, validate_for_world
     from pretrain.run_dir import RunDir
-    from pretrain.runtime.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     saved, sigterm_step = [], None  # the training's under way (the patches read them when called)
     save_checkpoint, train_step = DeepSpeedEngine.save_checkpoint, Trainer._train_step

@@ -21,10 +21,10 @@ from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
 from pretrain.runtime.engine import Engine, MegatronMPU, build_engine
-from pretrain.runtime.evaluator import Evaluator
 from pretrain.runtime.freeze import apply_freeze_stage, freeze_stage_index
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
+from pretrain.training.evaluator import Evaluator
 
 
 class TrainingStopped(RuntimeError):

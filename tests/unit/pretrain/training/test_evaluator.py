@@ -15,9 +15,9 @@ from pretrain.config import EarlyStopping, TrainConfig
 from pretrain.run_dir import EvalRecord, RunDir
 from pretrain.runtime.data import BatchOrder, StepBatches
 from pretrain.runtime.engine import build_engine
-from pretrain.runtime.evaluator import Evaluator
 from pretrain.runtime.loss import batch_loss
 from pretrain.runtime.metrics import MetricsLogger
+from pretrain.training.evaluator import Evaluator
 
 GRAD_ACCUM = 2
 BATCHES = {"micro_batch_size": 1, "global_batch_size": GRAD_ACCUM}  # one data-parallel rank
