@@ -199,10 +199,6 @@ class RandomQKVLinear(torch.nn.Module):
         self.hadamard = None  # HadamardRows of Q and K, set by generate_qk for ora/hadamard
         self._hadamard_weights_checked = False
 
-    @property
-    def uses_hadamard_runtime(self) -> bool:
-        return self.attention.type == "ora" and self.attention.orthogonal_method == "hadamard"
-
     def generate_qk(self, layer_number: int) -> None:
         """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2)."""
         self.layer_number = layer_number
@@ -211,7 +207,7 @@ class RandomQKVLinear(torch.nn.Module):
             with torch.no_grad():
                 param.copy_(self.local_weight(role))
             param.requires_grad_(trainable)
-        if self.uses_hadamard_runtime:
+        if self.attention.hadamard_qk:
             self._build_hadamard(layer_number)
 
     def _build_hadamard(self, layer_number: int) -> None:

@@ -56,6 +56,11 @@ class AttentionConfig:
         """True when Q/K come from our own projection (random init, frozen or not)."""
         return self.type in FROZEN_QK_INIT
 
+    @property
+    def hadamard_qk(self) -> bool:
+        """ORA's Q/K drawn as randomized Hadamard transforms, applied as the fast transform when frozen."""
+        return self.type == "ora" and self.orthogonal_method == "hadamard"
+
     def random_qk_scale(self, d_model: int) -> float:
         """frozen_gaussian's std, frozen_uniform's bound: init_std, or with init_scale matched the scale
         whose variance 1/d_model gives a d_model-long column the squared norm of an orthonormal one."""
@@ -143,8 +148,7 @@ class ModelConfig:
             check(self.head_dim <= self.hidden_size, k + "kv_channels",
                   f"d_k {self.head_dim} > d_model {self.hidden_size}: a d_model×d_k matrix cannot "
                   "have orthonormal columns")
-            joint = att.joint_heads or att.orthogonal_method == "hadamard"
-            if joint:
+            if att.joint_heads or att.hadamard_qk:
                 width = self.num_attention_heads * self.head_dim
                 check(width <= self.hidden_size, k + "attention.joint_heads",
                       f"heads·d_k = {width} > d_model {self.hidden_size}: heads cannot be jointly "

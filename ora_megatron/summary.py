@@ -84,7 +84,7 @@ def train_flops_per_token(model: ModelConfig, vocab: int) -> float:
         frozen_q = att.custom_qkv and not att.train_q
         frozen_k = att.custom_qkv and not att.train_k
         for params, frozen in ((width * d, frozen_q), (kv_width * d, frozen_k)):
-            if frozen and att.type == "ora" and att.orthogonal_method == "hadamard":
+            if frozen and att.hadamard_qk:
                 # two Kronecker contractions (hadamard.HadamardRows), forward + input gradient
                 per_layer += 2 * 2 * d * sum(kronecker_split(d))
             else:

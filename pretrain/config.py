@@ -8,20 +8,11 @@ that depend on the number of processes (batch divisibility, ZeRO vs pipeline) ru
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Literal, Optional, Union
 
-from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml, to_dict
+from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml
 from ora_megatron.model_config import ModelConfig, ParallelConfig, validate_model_parallel
-
-REPO = Path(__file__).resolve().parents[1]
-DS_CONFIG_DIR = REPO / "ds_configs"
-# Run configs by name (tiny, small, base, large); configs/shared/ holds what presets inherit.
-PRESETS = REPO / "pretrain" / "configs"
 
 LayerSet = Union[Literal["all", "none", "first_half", "second_half"], list[int]]
 
@@ -98,6 +89,25 @@ class TrainConfig:
         if self.freeze_schedule == "partial_frozen":
             return PARTIAL_FROZEN
         return sorted(self.freeze_schedule, key=lambda s: s.start)
+
+    def freeze_stage_at(self, step: int) -> int:
+        """Index of the freeze stage in force at `step` (0-based); -1 before the first stage or without one."""
+        started = [i for i, stage in enumerate(self.freeze_stages) if stage.start <= step / self.steps]
+        return started[-1] if started else -1
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the run validates after `step` steps: every eval_interval, and at the last step."""
+        return step % self.eval_interval == 0 or step == self.steps
+
+    @property
+    def train_samples(self) -> int:
+        """Samples the run trains on: steps × global batch."""
+        return self.steps * self.global_batch_size
+
+    @property
+    def eval_samples(self) -> int:
+        """Samples of one evaluation: eval_iters global batches, the same every time."""
+        return self.eval_iters * self.global_batch_size
 
     def validate(self, key: str) -> None:
         for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
@@ -265,9 +275,19 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint frequency and retention."""
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all data-parallel ranks."""
+        return self.train.global_batch_size * self.model.seq_length
+
+    @property
+    def lr_decay_steps(self) -> int:
+        """The step (warmup included) at which the learning rate has decayed to lr · min_lr_ratio."""
+        return self.optimizer.decay_steps or self.train.steps
+
     def validate(self, key: str) -> None:
         validate_model_parallel(self.model, self.parallel)
-        decay_steps = self.optimizer.decay_steps or self.train.steps
+        decay_steps = self.lr_decay_steps
         check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
               f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
               "optimizer.decay_steps, or train.steps when unset)")
@@ -292,61 +312,9 @@ class RunConfig:
                               f"layer numbers {bad} outside 1..{self.model.num_layers}")
 
 
-# Keep the Hugging Face libraries (huggingface_hub, transformers, datasets) off the network:
-# training reads local tokenizers and datasets only, and an export is loaded from its own folder.
-HUB_OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                           "HF_HUB_DISABLE_TELEMETRY": "1"}
-
-
-def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
-    """Whether DeepSpeed sums the micro-batches' bf16 gradients in fp32 (rather than in bf16, 8 mantissa
-    bits). It offers that with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its bf16
-    optimizer, whose checkpoints are laid out differently."""
-    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
-
-
-def device_environment(cfg: RunConfig) -> dict[str, str]:
-    """Variables the CUDA runtime must see before it starts, for this config's layout.
-
-    With tensor parallelism, megatron-core overlaps its TP all-reduce with the next GEMM only when
-    the device executes kernels in issue order: one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1).
-    """
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.parallel.tensor > 1 else {}
-
-
-def keep_offline(wandb_mode: str = "disabled") -> None:
-    """Keep this process, and the workers it starts (they inherit its environment), off the network;
-    wandb alone may use it, when `wandb_mode` is "online".
-
-    Call it before any of them is imported: the Hugging Face libraries read these variables at
-    import, and wandb's telemetry takes its mode from the environment only
-    (`wandb.init(mode="offline")` alone still lets it contact its server).
-    """
-    os.environ.update(HUB_OFFLINE_ENVIRONMENT)
-    if wandb_mode != "online":
-        os.environ["WANDB_MODE"] = wandb_mode
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """sha256 of the resolved config: names default run dirs, and tells a sweep a run's config changed."""
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
-
-
 def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:
     data = apply_overrides(load_yaml(path), list(overrides))
     return from_dict(RunConfig, data)
-
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
-
-
-def preset_path(name: str) -> Optional[Path]:
-    """pretrain/configs/NAME.yaml when `name` is a preset's name (not a path), else None."""
-    if "/" in name or name.endswith((".yaml", ".yml")):
-        return None
-    path = PRESETS / f"{name}.yaml"
-    return path if path.is_file() else None
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
@@ -390,5 +358,5 @@ def for_world(cfg: RunConfig, world_size: int) -> RunConfig:
     return replace(cfg, deepspeed=replace(ds, zero_stage=0))
 
 
-__all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "data_parallel_size", "keep_offline",
-           "device_environment", "ConfigError", "FreezeStage", "PARTIAL_FROZEN"]
+__all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "data_parallel_size", "ConfigError",
+           "FreezeStage", "PARTIAL_FROZEN"]

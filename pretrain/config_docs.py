@@ -20,7 +20,8 @@ import typing
 from functools import cache
 
 from ora_megatron.config_io import describe_type
-from pretrain.config import REPO, RunConfig
+from pretrain.config import RunConfig
+from pretrain.paths import REPO
 
 DOC_PATH = REPO / "docs" / "config.md"
 REGENERATE = "python -m pretrain.config_docs"

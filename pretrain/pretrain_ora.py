@@ -35,17 +35,10 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
-from pretrain.config import (
-    REPO,
-    RunConfig,
-    config_hash,
-    device_environment,
-    for_world,
-    keep_offline,
-    load_run_config,
-    validate_for_world,
-)
-from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, step_of_tag
+from pretrain.config import RunConfig, for_world, load_run_config, validate_for_world
+from pretrain.environment import device_environment, keep_offline
+from pretrain.paths import REPO
+from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
 
 ENTRY_MODULE = "pretrain.pretrain_ora"  # python -m
 EXIT_CONFIG_ERROR = 2

@@ -43,9 +43,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Union
 
+from ora_megatron.config_io import to_dict
+
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
 LOCK_ON_STDIN = "ORA_RUN_DIR_LOCK_ON_STDIN"  # "1": this process's stdin is its run dir's lock
+
+
+def config_hash(cfg) -> str:
+    """sha256 of a resolved run config: names default run dirs, and tells a sweep a run's config changed."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
 
 
 def checkpoint_tag(step: int) -> str:

@@ -41,7 +41,7 @@ from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_sp
 from pretrain.checkpoint.unpickling import check_checkpoint_files, safe_load
 from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir
-from pretrain.runtime.freeze import freeze_stage_index, trainability
+from pretrain.runtime.freeze import trainability
 
 FP32_MASTER = "fp32_master"
 """Trainable weights from the ZeRO optimizer's fp32 master partitions (DeepSpeed's zero_to_fp32)."""
@@ -175,13 +175,13 @@ def untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> 
 
     Those are a function of (seed, layer, role) and are regenerated; a Q/K that was trainable in
     some step (attention.train_q/k, or a freeze-schedule stage) is an ordinary trained weight.
-    The trainer runs step s (0-based) in schedule stage `freeze_stage_index(cfg, s)`.
+    The trainer runs step s (0-based) in schedule stage `cfg.train.freeze_stage_at(s)`.
     """
     stages = {-1}
     if cfg.train.freeze_stages:
         run = RunDir(checkpoint_dir.parent.parent)
         steps_done = run.read_train_state(checkpoint_dir.name)["step"]
-        stages = {freeze_stage_index(cfg, s) for s in range(max(steps_done, 1))}
+        stages = {cfg.train.freeze_stage_at(s) for s in range(max(steps_done, 1))}
     flags = [trainability(cfg, index) for index in stages]
     frozen = {}
     for prefix, linear in reference.named_modules():

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pretrain.config import keep_offline
+from pretrain.environment import keep_offline
 from pretrain.export.export_record import read_export_record
 from pretrain.run_dir import RunDir, write_text_atomic
 

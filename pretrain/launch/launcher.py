@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from pretrain.config import REPO, device_environment, preset_names, preset_path
+from pretrain.environment import device_environment
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
+from pretrain.paths import REPO, preset_names, preset_path
 
 if TYPE_CHECKING:
     from pretrain.pretrain_ora import Start

@@ -52,7 +52,8 @@ from typing import Callable, Optional
 
 import torch
 
-from pretrain.config import REPO, load_run_config, preset_path
+from pretrain.config import load_run_config
+from pretrain.paths import REPO, preset_path
 
 SCHEMA = "ora-gpu-report/1"
 EXIT_NO_CUDA = 2
@@ -362,7 +363,7 @@ def measure_train(out: Path, budget: Budget, preset: str, steps: int) -> dict:
     records = [asdict(r) for r in RunDir(run_dir).read_records("train")]
     return {"outcome": asdict(outcome), "arm": cfg.model.attention.type, "precision": cfg.deepspeed.precision,
             "log_interval": cfg.train.log_interval,
-            "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_length,
+            "tokens_per_step": cfg.tokens_per_step,
             "flops_per_token": flops_per_token(cfg.model),
             "records": [{key: r[key] for key in ("step", "split", "step_time_s", "tokens_per_s", "mfu",
                                                  "peak_mem_bytes")} for r in records]}

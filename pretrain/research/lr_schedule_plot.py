@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
-from pretrain.config import RunConfig, load_run_config, preset_path
+from pretrain.config import RunConfig, load_run_config
+from pretrain.paths import preset_path
 from pretrain.runtime.optimizer import lr_scheduler
 
 PLOTTED = ("small", "base", "large")

@@ -44,7 +44,8 @@ from ora_megatron.cross_entropy import LOGITS_CHUNK_BYTES
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, data_parallel_size, for_world, fp32_grad_accumulation, validate_for_world
+from pretrain.config import RunConfig, data_parallel_size, for_world, validate_for_world
+from pretrain.runtime.engine import fp32_grad_accumulation
 from pretrain.runtime.optimizer import param_groups
 
 # DeepSpeed (and pretrain.runtime.engine / pretrain.runtime.freeze, which import it) is imported where it is used:
@@ -77,7 +78,7 @@ class Layout:
     micro_batch_size: int
     grad_accum: int
     activation_checkpointing: bool
-    fp32_grad_accumulation: bool = False  # ZeRO-2/3 gradient buffers in fp32 (config.fp32_grad_accumulation)
+    fp32_grad_accumulation: bool = False  # ZeRO-2/3 gradient buffers in fp32 (engine.fp32_grad_accumulation)
 
     @property
     def dtype_bytes(self) -> int:
@@ -358,7 +359,7 @@ def activation_caveats(model: ModelConfig) -> list[str]:
     notes = []
     if not model.attention.uses_qk:
         notes.append(f"{model.attention.type}: its N×N mixing is not modelled (the terms assume Q·K attention)")
-    if model.attention.type == "ora" and model.attention.orthogonal_method == "hadamard":
+    if model.attention.hadamard_qk:
         notes.append("hadamard Q/K: the fast transform's saved tensors are not modelled")
     if model.family == "llama":
         notes.append("llama: RMSNorm, SwiGLU and RoPE terms are counted as fused kernels keep them, not checked")

@@ -20,7 +20,8 @@ from pathlib import Path
 import yaml
 
 from ora_megatron.config_io import ConfigError
-from pretrain.config import load_run_config, preset_names, preset_path
+from pretrain.config import load_run_config
+from pretrain.paths import preset_names, preset_path
 from pretrain.research.memory_model import DTYPE_BYTES, GIB, RESERVE_FRACTION, layout_of, plan
 
 FLAG_KEYS = {"tp": "parallel.tensor", "pp": "parallel.pipeline", "zero_stage": "deepspeed.zero_stage",

@@ -177,9 +177,7 @@ def _check_manifest_shards(cfg: RunConfig, manifest: dict) -> None:
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
     """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches)."""
-    sizes = [cfg.train.steps * cfg.train.global_batch_size,
-             cfg.train.eval_iters * cfg.train.global_batch_size,
-             cfg.train.eval_iters * cfg.train.global_batch_size]
+    sizes = [cfg.train.train_samples, cfg.train.eval_samples, cfg.train.eval_samples]
     config = dataset_config(cfg, tokenizer, cache_dir)
     cls = MockGPTDataset if cfg.data.mock else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()

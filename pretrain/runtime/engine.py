@@ -19,7 +19,8 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
-from pretrain.config import DS_CONFIG_DIR, RunConfig, fp32_grad_accumulation
+from pretrain.config import RunConfig
+from pretrain.paths import DS_CONFIG_DIR
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
 from pretrain.runtime.loss import lm_loss
 from pretrain.runtime.optimizer import build_optimizer, lr_scheduler
@@ -42,6 +43,13 @@ class MegatronMPU:
     get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
     get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
     get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+
+
+def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
+    """Whether DeepSpeed sums the micro-batches' bf16 gradients in fp32 (rather than in bf16, 8 mantissa
+    bits). It offers that with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its bf16
+    optimizer, whose checkpoints are laid out differently."""
+    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
 
 
 def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:

@@ -23,13 +23,6 @@ from pretrain.runtime.ds_internals import (
 from pretrain.runtime.engine import build_engine
 
 
-def freeze_stage_index(cfg: RunConfig, step: int) -> int:
-    """Index of the schedule stage in force at `step`; -1 before the first stage or without one."""
-    fraction = step / cfg.train.steps
-    started = [i for i, s in enumerate(cfg.train.freeze_stages) if s.start <= fraction]
-    return started[-1] if started else -1
-
-
 def _layers(layer_set, num_layers: int) -> set[int]:
     if isinstance(layer_set, list):
         return set(layer_set)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 from megatron.core import parallel_state
 
-from pretrain.config import RunConfig, config_hash
-from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, write_text_atomic
+from pretrain.config import RunConfig
+from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, config_hash, write_text_atomic
 from pretrain.runtime.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 
 
@@ -115,7 +115,7 @@ def wandb_run_id(run_dir: RunDir, cfg: RunConfig) -> str:
 class MetricsLogger:
     def __init__(self, run_dir: RunDir, cfg: RunConfig, cfg_dict: dict, start_step: int):
         self.log_interval = cfg.train.log_interval
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.tokens_per_step = cfg.tokens_per_step
         self.flops_per_token = flops_per_token(cfg.model)
         self.peak_tflops = device_peak_tflops(cfg.deepspeed.precision)
         self.world_size = dist.get_world_size()

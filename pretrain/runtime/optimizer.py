@@ -155,6 +155,6 @@ def lr_scheduler(cfg: RunConfig, optimizer) -> ParamScheduler:
     return ParamScheduler(
         optimizer, restart_cycle_steps=opt.restart_cycle_steps, restart_peak_decay=opt.restart_peak_decay,
         decay_power=opt.decay_power, init_lr=0.0, max_lr=opt.lr, min_lr=opt.lr * opt.min_lr_ratio,
-        lr_warmup_steps=opt.warmup_steps, lr_decay_steps=opt.decay_steps or cfg.train.steps,
+        lr_warmup_steps=opt.warmup_steps, lr_decay_steps=cfg.lr_decay_steps,
         lr_decay_style=opt.decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
         wd_incr_steps=cfg.train.steps, wd_incr_style="constant")

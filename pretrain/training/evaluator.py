@@ -40,7 +40,7 @@ class Evaluator:
 
     def after_step(self, eng, state: TrainState) -> bool:
         """Validate if due; True when early stopping says stop (its counters live in `state`)."""
-        if state.step % self.cfg.train.eval_interval != 0 and state.step != self.cfg.train.steps:
+        if not self.cfg.train.evaluates_at(state.step):
             return False
         loss = self.loss(eng, "valid")
         if loss is None:

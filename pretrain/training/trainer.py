@@ -21,7 +21,7 @@ from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
 from pretrain.runtime.engine import Engine, MegatronMPU, build_engine
-from pretrain.runtime.freeze import apply_freeze_stage, freeze_stage_index
+from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
 from pretrain.training.evaluator import Evaluator
@@ -61,7 +61,7 @@ class Trainer:
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (Engine.reports_no_grad_norm)
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
-        self._enter_freeze_stage(freeze_stage_index(cfg, 0))
+        self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
         self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()),
                                    prefetch=torch.cuda.is_available())
         self.run_dir = run_dir
@@ -149,14 +149,14 @@ class Trainer:
         timer, loss, loss_reduced = IterationTimer(), None, False
         while state.step < cfg.steps:
             with timer.paused():  # an engine rebuild at a freeze-schedule boundary is no step's time
-                self._enter_freeze_stage(freeze_stage_index(self.cfg, state.step))
+                self._enter_freeze_stage(cfg.freeze_stage_at(state.step))
             self.eng.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
             skipped_before = self.eng.ds_engine.skipped_steps
             loss = self._train_step(state.step)
             timer.lap()
             skipped = self.eng.ds_engine.skipped_steps > skipped_before
             state.step += 1
-            state.tokens_seen += cfg.global_batch_size * self.cfg.model.seq_length
+            state.tokens_seen += self.cfg.tokens_per_step
             state.skipped_steps += int(skipped)
             state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
             loss_reduced = logger.due(state.step, skipped)

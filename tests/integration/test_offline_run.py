@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from pretrain_runs import REPO, env, write_config
 
-from pretrain.config import HUB_OFFLINE_ENVIRONMENT, load_run_config
+from pretrain.config import load_run_config
+from pretrain.environment import HUB_OFFLINE_ENVIRONMENT
 from pretrain.run_dir import RunDir
 from pretrain.runtime.metrics import wandb_run_id
 

@@ -18,12 +18,11 @@ from pretrain_runs import REPO, arguments, command, env, forbid_workers, records
 from processes import workers_of
 
 from pretrain import pretrain_ora
-from pretrain.config import config_hash
 from pretrain.research.sweep.__main__ import main as sweep_main
 from pretrain.research.sweep.runner import start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
 from pretrain.research.sweep.state import Task, run_state, started_record
-from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary
+from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary, config_hash
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
 HOLDER = ("import sys, time\nfrom pretrain.run_dir import RunDir\n"

@@ -15,9 +15,8 @@ from pretrain_runs import REPO
 # Lowest first. Units on one floor are siblings: neither imports the other.
 FLOORS = [
     ("ora_megatron", "data_tools"),  # the model; corpus tooling (the training side reads its manifest)
-    ("pretrain.paths", "pretrain.environment"),
-    ("pretrain.config",),
-    ("pretrain.run_dir",),
+    ("pretrain.paths", "pretrain.config"),  # the repository's files; the typed run config
+    ("pretrain.run_dir", "pretrain.environment"),
     ("pretrain.runtime",),  # engine, data, loss, optimizer, metrics, freeze schedules
     ("pretrain.checkpoint",),  # save, resume, reshard, consolidate
     ("pretrain.training",),  # the loop and evaluation

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pretrain import pretrain_ora
-from pretrain.config import REPO
+from pretrain.paths import REPO
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 

@@ -154,7 +154,7 @@ class Arm:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        return self.cfg.tokens_per_step
 
     def train_step(self, batches, step: int, forward_context=lambda micro: contextlib.nullcontext(),
                    after_backward=lambda micro: None) -> None:

@@ -49,7 +49,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from pretrain.config import PRESETS
+from pretrain.paths import PRESETS
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 

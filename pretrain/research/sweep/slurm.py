@@ -7,7 +7,7 @@ import os
 import shlex
 from pathlib import Path
 
-from pretrain.config import REPO
+from pretrain.paths import REPO
 from pretrain.research.sweep.runner import execute, exit_status
 from pretrain.research.sweep.spec import Run, SweepError
 from pretrain.research.sweep.state import record_orphans_that_completed, run_state, tasks_of

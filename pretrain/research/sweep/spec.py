@@ -12,7 +12,8 @@ from typing import Any, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml
-from pretrain.config import RunConfig, load_run_config, preset_path, validate_for_world
+from pretrain.config import RunConfig, load_run_config, validate_for_world
+from pretrain.paths import preset_path
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.config import REPO, config_hash
+from pretrain.paths import REPO
 from pretrain.research.sweep.spec import Run, SweepError
-from pretrain.run_dir import ExperimentRecord, RunDir
+from pretrain.run_dir import ExperimentRecord, RunDir, config_hash
 
 LOG_TAIL_LINES = 40
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import pretrain.research
-from pretrain.config import load_run_config, preset_path, validate_for_world
+from pretrain.config import load_run_config, validate_for_world
+from pretrain.paths import preset_path
 from pretrain.research import gpu_report
 
 GIB = 2**30

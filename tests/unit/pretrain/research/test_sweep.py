@@ -19,13 +19,12 @@ import yaml
 from pretrain_runs import REPO, env, write_config
 from sweep_runs import write_run
 
-from pretrain.config import config_hash
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.research.sweep import slurm
 from pretrain.research.sweep import spec as sweep_spec
 from pretrain.research.sweep.__main__ import main
 from pretrain.research.sweep.spec import DESIGN_SEEDS, LOG_NAME, Run, expand, load_spec
-from pretrain.run_dir import RunDir
+from pretrain.run_dir import RunDir, config_hash
 
 EXPERIMENTS = REPO / "pretrain" / "experiments"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"

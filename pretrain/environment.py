@@ -1,0 +1,35 @@
+"""The process environment a run sets before the libraries that read it start: off the network,
+and the CUDA runtime's settings for the run's layout."""
+
+from __future__ import annotations
+
+import os
+
+from pretrain.config import RunConfig
+
+# Keep the Hugging Face libraries (huggingface_hub, transformers, datasets) off the network:
+# training reads local tokenizers and datasets only, and an export is loaded from its own folder.
+HUB_OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                           "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def keep_offline(wandb_mode: str = "disabled") -> None:
+    """Keep this process, and the workers it starts (they inherit its environment), off the network;
+    wandb alone may use it, when `wandb_mode` is "online".
+
+    Call it before any of them is imported: the Hugging Face libraries read these variables at
+    import, and wandb's telemetry takes its mode from the environment only
+    (`wandb.init(mode="offline")` alone still lets it contact its server).
+    """
+    os.environ.update(HUB_OFFLINE_ENVIRONMENT)
+    if wandb_mode != "online":
+        os.environ["WANDB_MODE"] = wandb_mode
+
+
+def device_environment(cfg: RunConfig) -> dict[str, str]:
+    """Variables the CUDA runtime must see before it starts, for this config's layout.
+
+    With tensor parallelism, megatron-core overlaps its TP all-reduce with the next GEMM only when
+    the device executes kernels in issue order: one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1).
+    """
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.parallel.tensor > 1 else {}
