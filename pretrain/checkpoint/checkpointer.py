@@ -31,6 +31,7 @@ from pretrain.checkpoint import reshard
 from pretrain.checkpoint.unpickling import restrict_checkpoint_loading, safe_load
 from pretrain.config import CheckpointConfig
 from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.runtime.engine import TrainEngine
 
 
 @dataclass
@@ -74,17 +75,17 @@ class Checkpointer:
         self.run_dir, self.cfg = run_dir, cfg
         self.last_saved_step: Optional[int] = None
 
-    def save_if_due(self, eng, state: TrainState, *, final: bool) -> None:
+    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool) -> None:
         due = final or state.step % self.cfg.save_interval == 0
         if due and state.step != self.last_saved_step:
-            self.save(eng, state)
+            self.save(train_engine, state)
 
-    def save(self, eng, state: TrainState) -> str:
+    def save(self, train_engine: TrainEngine, state: TrainState) -> str:
         """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state.
         Raises CheckpointSaveFailed, naming the cause, when this rank cannot write its files."""
         tag = checkpoint_tag(state.step)
         try:
-            self._write(eng, state, tag)
+            self._write(train_engine, state, tag)
         except (OSError, RuntimeError) as e:
             if not is_write_failure(e):
                 raise
@@ -92,15 +93,15 @@ class Checkpointer:
         self.last_saved_step = state.step
         return tag
 
-    def _write(self, eng, state: TrainState, tag: str) -> None:
-        state.scheduler = eng.scheduler.state_dict()
-        eng.ds_engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False,
-                                      client_state=reshard.optimizer_record(eng))  # names ZeRO-0's torch state
+    def _write(self, train_engine: TrainEngine, state: TrainState, tag: str) -> None:
+        state.scheduler = train_engine.scheduler.state_dict()
+        train_engine.ds_engine.save_checkpoint(str(self.run_dir.checkpoints), tag=tag, save_latest=False,
+                                               client_state=reshard.optimizer_record(train_engine))  # ZeRO-0's names
         rank = dist.get_rank()
         torch.save(_rng_state(), self.run_dir.rng_state_file(tag, rank))
         if rank == 0:
             self.run_dir.write_train_state(tag, asdict(state))
-            reshard.record_topology(self.run_dir, tag, reshard.engine_topology(eng))
+            reshard.record_topology(self.run_dir, tag, reshard.engine_topology(train_engine))
         dist.barrier()
         if rank == 0:
             self.run_dir.write_integrity_record(tag)  # before `latest` moves: a pointed-to tag has one
@@ -140,22 +141,23 @@ class Checkpointer:
     def read_state(self, tag: str) -> TrainState:
         return TrainState(**self.run_dir.read_train_state(tag))
 
-    def load(self, eng, tag: str, state: TrainState, converted: Optional[Path] = None) -> None:
+    def load(self, train_engine: TrainEngine, tag: str, state: TrainState, converted: Optional[Path] = None) -> None:
         """Model and optimizer (ZeRO partitions included) through DeepSpeed and this rank's RNG —
         or, for a tag another topology wrote, its topology-free conversion `converted` (per-rank
         RNG states do not carry over) — then the LR schedule from `state` (the tag's train state)
         and frozen Q/K regenerated and checked."""
         if converted is not None:
-            reshard.load_converted(eng, converted)
+            reshard.load_converted(train_engine, converted)
         else:
-            restrict_checkpoint_loading(eng.ds_engine)  # a run dir from elsewhere must not run code when loaded
-            path, _ = eng.ds_engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag,
-                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+            # a run dir from elsewhere must not run code when loaded
+            restrict_checkpoint_loading(train_engine.ds_engine)
+            path, _ = train_engine.ds_engine.load_checkpoint(str(self.run_dir.checkpoints), tag=tag,
+                                                             load_optimizer_states=True, load_lr_scheduler_states=False)
             if path is None:
                 raise RuntimeError(f"checkpoint {self.run_dir.checkpoint(tag)} could not be loaded")
             _set_rng_state(self.run_dir.rng_state_file(tag, dist.get_rank()))
-        eng.scheduler.load_state_dict(state.scheduler)
-        restore_frozen_qk(eng.module)
+        train_engine.scheduler.load_state_dict(state.scheduler)
+        restore_frozen_qk(train_engine.module)
         self.last_saved_step = state.step
 
 

@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero import GatheredParameters
 from megatron.core import parallel_state
 
@@ -64,7 +65,7 @@ from pretrain.runtime.ds_internals import (
     set_full_optimizer_state,
     whole_tensor_masters,
 )
-from pretrain.runtime.engine import PipelinedGPT
+from pretrain.runtime.engine import PipelinedGPT, TrainEngine
 from pretrain.runtime.optimizer import param_groups
 
 META = "meta.json"
@@ -96,13 +97,13 @@ def run_topology(cfg: RunConfig, world_size: int) -> Topology:
                     cfg.deepspeed.precision)
 
 
-def engine_topology(eng) -> Topology:
+def engine_topology(train_engine: TrainEngine) -> Topology:
     """The topology of a running engine (every rank gets the same)."""
-    engine, world = eng.ds_engine, dist.get_world_size()
+    ds_engine, world = train_engine.ds_engine, dist.get_world_size()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = engine.num_stages if eng.pipelined else 1
-    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-    return Topology(world, world // (tp * pp), tp, pp, engine.zero_optimization_stage(), precision)
+    pp = ds_engine.num_stages if train_engine.pipelined else 1
+    precision = "bf16" if ds_engine.bfloat16_enabled() else "fp16" if ds_engine.fp16_enabled() else "fp32"
+    return Topology(world, world // (tp * pp), tp, pp, ds_engine.zero_optimization_stage(), precision)
 
 
 # ---------------------------------------------------------------------------- at save (Checkpointer.save)
@@ -111,7 +112,7 @@ def record_topology(run_dir: RunDir, tag: str, topology: Topology) -> None:
     write_text_atomic(run_dir.topology_file(tag), json.dumps(asdict(topology), indent=1) + "\n")
 
 
-def optimizer_record(eng) -> dict:
+def optimizer_record(train_engine: TrainEngine) -> dict:
     """Client state for `save_checkpoint`: which parameter each slot of a plain torch optimizer holds.
 
     ZeRO-0 saves torch's state dict, whose entries are numbered, not named (DeepSpeed saves
@@ -119,18 +120,19 @@ def optimizer_record(eng) -> dict:
     entries are DeepSpeed's fp32 copies of the weights. A tied module's copy on a later pipeline stage
     is recorded as None: the first stage's copy is the one carried.
     """
-    masters = whole_tensor_masters(eng.ds_engine)
+    masters = whole_tensor_masters(train_engine.ds_engine)
     if masters is None:
         return {}
     names = {}
-    for raw, param in eng.module.named_parameters():
+    for raw, param in train_engine.module.named_parameters():
         if param not in masters:  # frozen: outside the optimizer
             continue
-        if eng.pipelined:
-            names[id(masters[param])] = None if eng.module.is_tied_replica(raw) else eng.module.stage_name(raw)
+        if train_engine.pipelined:
+            module = train_engine.module
+            names[id(masters[param])] = None if module.is_tied_replica(raw) else module.stage_name(raw)
         else:
             names[id(masters[param])] = raw
-    groups = [[names[id(p)] for p in group["params"]] for group in base_optimizer(eng.ds_engine).param_groups]
+    groups = [[names[id(p)] for p in group["params"]] for group in base_optimizer(train_engine.ds_engine).param_groups]
     return {OPTIMIZER_RECORD: {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "groups": groups}}
 
 
@@ -312,14 +314,14 @@ def converted_checkpoint(run_dir: RunDir, tag: str, cfg: RunConfig, world_size: 
     return converted_dir(run_dir, tag)
 
 
-def load_converted(eng, path: Path) -> None:
+def load_converted(train_engine: TrainEngine, path: Path) -> None:
     """Set this rank's trainable parameters, fp32 masters, Adam moments and group steps from a conversion,
     then read them back (ds_internals.full_optimizer_state) and check they are exactly what was set."""
     meta = json.loads((path / META).read_text())
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     loaded, param_steps, missing = {}, {}, []
-    for name, param in eng.named_parameters():
+    for name, param in train_engine.named_parameters():
         if not param.requires_grad:
             continue  # frozen: regenerated from the seed, never state
         file = path / "params" / f"{name}.pt"
@@ -332,11 +334,11 @@ def load_converted(eng, path: Path) -> None:
         loaded[name], param_steps[id(param)] = (param, local), entry["step"]
     if missing:
         raise CheckpointMismatch(f"{path}: no state for the trainable parameter(s) {missing[:5]}")
-    steps = _group_steps(eng, param_steps)
-    _set_optimizer_state(eng.ds_engine, loaded, steps)
-    _check_optimizer_state(eng.ds_engine, loaded, steps)
-    eng.ds_engine.global_steps = meta["step"]
-    eng.ds_engine.global_samples = meta["step"] * eng.ds_engine.train_batch_size()
+    steps = _group_steps(train_engine, param_steps)
+    _set_optimizer_state(train_engine.ds_engine, loaded, steps)
+    _check_optimizer_state(train_engine.ds_engine, loaded, steps)
+    train_engine.ds_engine.global_steps = meta["step"]
+    train_engine.ds_engine.global_samples = meta["step"] * train_engine.ds_engine.train_batch_size()
 
 
 def _tp_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: int) -> torch.Tensor:
@@ -363,7 +365,7 @@ def _set_weight(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         param.data.copy_(value.to(param.device, param.dtype).view(param.shape))
 
 
-def _group_steps(eng, param_steps: dict[int, int]) -> dict[str, torch.Tensor]:
+def _group_steps(train_engine: TrainEngine, param_steps: dict[int, int]) -> dict[str, torch.Tensor]:
     """The Adam step of each of the engine's parameter groups.
 
     One step count for all (the usual case): every group gets it. Several (weights unfrozen by a freeze
@@ -374,9 +376,9 @@ def _group_steps(eng, param_steps: dict[int, int]) -> dict[str, torch.Tensor]:
     counts = set(param_steps.values())
     if len(counts) <= 1:
         return {group["name"]: torch.tensor(float(count))
-                for count in counts for group in base_optimizer(eng.ds_engine).param_groups}
+                for count in counts for group in base_optimizer(train_engine.ds_engine).param_groups}
     steps = {}
-    for group in param_groups(eng.module, 0.0):
+    for group in param_groups(train_engine.module, 0.0):
         found = {param_steps[id(p)] for p in group["params"] if id(p) in param_steps}
         if len(found) > 1:
             raise CheckpointMismatch(
@@ -387,29 +389,29 @@ def _group_steps(eng, param_steps: dict[int, int]) -> dict[str, torch.Tensor]:
     return steps
 
 
-def _set_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -> None:
+def _set_optimizer_state(ds_engine: DeepSpeedEngine, loaded: dict, steps: dict[str, torch.Tensor]) -> None:
     """Adam's state, created with the carried group steps (torch creates it lazily at the first step, and
     ZeRO-1/2 link their fragments to it then), then each parameter's moments and fp32 master."""
-    base = base_optimizer(engine)
-    for flat, group in optimizer_flat_params(engine):
+    base = base_optimizer(ds_engine)
+    for flat, group in optimizer_flat_params(ds_engine):
         if group["name"] in steps:
             base.state[flat] = {"step": steps[group["name"]].clone(),
                                 **{key: torch.zeros_like(flat) for key in MOMENTS}}
-    link_optimizer_fragments(engine)
-    masters = whole_tensor_masters(engine)
+    link_optimizer_fragments(ds_engine)
+    masters = whole_tensor_masters(ds_engine)
     for param, local in loaded.values():
-        set_full_optimizer_state(engine, param, local, masters)
+        set_full_optimizer_state(ds_engine, param, local, masters)
 
 
-def _check_optimizer_state(engine, loaded: dict, steps: dict[str, torch.Tensor]) -> None:
+def _check_optimizer_state(ds_engine: DeepSpeedEngine, loaded: dict, steps: dict[str, torch.Tensor]) -> None:
     """Read every loaded value back as DeepSpeed sees it; anything not exactly as set is an error."""
-    base, wrong, masters = base_optimizer(engine), [], whole_tensor_masters(engine)
+    base, wrong, masters = base_optimizer(ds_engine), [], whole_tensor_masters(ds_engine)
     for name, (param, local) in loaded.items():
-        got = full_optimizer_state(engine, param, masters)  # every rank reads the same parameters
+        got = full_optimizer_state(ds_engine, param, masters)  # every rank reads the same parameters
         wrong += [f"{key} of {name}" for key in STATES
                   if got[key] is None or not torch.equal(got[key].detach().cpu().flatten().float(),
                                                          local[key].flatten().float())]
-    wrong += [f"Adam step of group {group['name']}" for flat, group in optimizer_flat_params(engine)
+    wrong += [f"Adam step of group {group['name']}" for flat, group in optimizer_flat_params(ds_engine)
               if group["name"] in steps and float(base.state[flat]["step"]) != float(steps[group["name"]])]
     if wrong:
         raise RuntimeError(f"DeepSpeed's optimizer does not hold the converted state it was given: {wrong[:5]}")

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from megatron.core import parallel_state
 
 from ora_megatron.builder import padded_vocab_size
@@ -23,6 +24,7 @@ from pretrain.runtime.ds_internals import (
     local_optimizer_state,
     whole_tensor_masters,
 )
+from pretrain.runtime.engine import TrainEngine
 
 # Dense peak TFLOP/s (no structured sparsity) per GPU model and matmul format, for MFU. NVIDIA's datasheets
 # print the tensor-core figures "with sparsity", twice the dense ones: the entries are half of those, and the
@@ -128,24 +130,24 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def parameter_counts(eng) -> tuple[int, int]:
+def parameter_counts(train_engine: TrainEngine) -> tuple[int, int]:
     """(trainable, frozen) elements of the whole model; a collective over all ranks.
 
     Each rank counts its tensor-parallel shards, replicated weights only on TP rank 0, and a
     pipeline's tied embedding only on the first stage; the sum over ranks covers every data-
     parallel replica, hence the division.
     """
-    module = eng.module
+    module = train_engine.module
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     counts = torch.zeros(2, dtype=torch.float64)
     for name, p in module.named_parameters():
         if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
             continue
-        if eng.pipelined and module.is_tied_replica(name):
+        if train_engine.pipelined and module.is_tied_replica(name):
             continue
         counts[0 if p.requires_grad else 1] += full_numel(p)
     dist.all_reduce(counts)
-    stages = module.num_stages if eng.pipelined else 1
+    stages = module.num_stages if train_engine.pipelined else 1
     replicas = dist.get_world_size() // stages // parallel_state.get_tensor_model_parallel_world_size()
     return int(counts[0].item()) // replicas, int(counts[1].item()) // replicas
 
@@ -159,18 +161,18 @@ def held_bytes(tensors) -> int:
     return total
 
 
-def local_grad_bytes(engine) -> int:
+def local_grad_bytes(ds_engine: DeepSpeedEngine) -> int:
     """Bytes of gradient this rank holds at the end of a step's backward (ZeRO partitions included)."""
-    return held_bytes(local_grad_tensors(engine))
+    return held_bytes(local_grad_tensors(ds_engine))
 
 
-def allocated_state(engine, grad_bytes: Optional[int]) -> dict:
+def allocated_state(ds_engine: DeepSpeedEngine, grad_bytes: Optional[int]) -> dict:
     """Adam-moment bytes this rank holds, read from the live tensors, and its gradient bytes (None
     where unmeasured: the pipeline engine's train_batch has no point between backward and step)."""
-    link_optimizer_fragments(engine)
-    masters = whole_tensor_masters(engine)
-    moments = [m for p in engine.module.parameters() if p.requires_grad for key in MOMENTS
-               if (m := local_optimizer_state(engine, p, key, masters)) is not None]
+    link_optimizer_fragments(ds_engine)
+    masters = whole_tensor_masters(ds_engine)
+    moments = [m for p in ds_engine.module.parameters() if p.requires_grad for key in MOMENTS
+               if (m := local_optimizer_state(ds_engine, p, key, masters)) is not None]
     return {
         "optimizer_state_elements": sum(m.numel() for m in moments),
         "optimizer_state_bytes": sum(m.numel() * m.element_size() for m in moments),

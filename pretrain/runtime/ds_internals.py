@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Optional
 
 import torch
+from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.utils import (
@@ -24,15 +25,15 @@ from deepspeed.utils import (
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def base_optimizer(engine) -> torch.optim.Optimizer:
+def base_optimizer(ds_engine: DeepSpeedEngine) -> torch.optim.Optimizer:
     """The torch optimizer under DeepSpeed's ZeRO / mixed-precision wrapper (itself without one).
 
     `.optimizer` is the wrapper's attribute for the wrapped optimizer; there is no accessor.
     """
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return getattr(ds_engine.optimizer, "optimizer", ds_engine.optimizer)
 
 
-def whole_tensor_masters(engine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
+def whole_tensor_masters(ds_engine: DeepSpeedEngine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
     """{trainable parameter: the fp32 tensor torch's optimizer steps for it, keyed in its state} when
     that is a whole tensor (ZeRO-0); None when DeepSpeed splits them into fragments (ZeRO-1/2/3 and
     the bf16 optimizer of pipelines), reached through `deepspeed.utils.safe_*`.
@@ -40,8 +41,8 @@ def whole_tensor_masters(engine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
     In fp32 the parameter is its own master. In bf16/fp16 without ZeRO, DeepSpeed's unfused
     optimizer steps fp32 copies (`fp32_groups[i][j]` of `fp16_groups[i][j]`), with no accessor.
     """
-    wrapper = engine.optimizer
-    if wrapper is base_optimizer(engine):
+    wrapper = ds_engine.optimizer
+    if wrapper is base_optimizer(ds_engine):
         return {p: p for group in wrapper.param_groups for p in group["params"]}
     if isinstance(wrapper, FP16_UnfusedOptimizer):
         return {low: high for lows, highs in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
@@ -49,7 +50,7 @@ def whole_tensor_masters(engine) -> Optional[dict[torch.Tensor, torch.Tensor]]:
     return None
 
 
-def full_optimizer_state(engine, param, masters) -> dict[str, Optional[torch.Tensor]]:
+def full_optimizer_state(ds_engine: DeepSpeedEngine, param, masters) -> dict[str, Optional[torch.Tensor]]:
     """{"fp32", "exp_avg", "exp_avg_sq"} of a trainable parameter, whole (None where it has no state
     yet). `masters` is `whole_tensor_masters(engine)`, computed once by the caller. Under ZeRO this
     is a collective: every rank of a data-parallel group must ask for the same parameters."""
@@ -57,11 +58,11 @@ def full_optimizer_state(engine, param, masters) -> dict[str, Optional[torch.Ten
         return {"fp32": safe_get_full_fp32_param(param),
                 **{key: safe_get_full_optimizer_state(param, key) for key in MOMENTS}}
     master = masters[param]
-    state = base_optimizer(engine).state.get(master, {})
+    state = base_optimizer(ds_engine).state.get(master, {})
     return {"fp32": master.detach(), **{key: state.get(key) for key in MOMENTS}}
 
 
-def set_full_optimizer_state(engine, param, values: dict[str, torch.Tensor], masters) -> None:
+def set_full_optimizer_state(ds_engine: DeepSpeedEngine, param, values: dict[str, torch.Tensor], masters) -> None:
     """Set what `full_optimizer_state` reads; the Adam state must exist (ZeRO: fragments linked)."""
     if masters is None:
         for key in MOMENTS:
@@ -70,12 +71,12 @@ def set_full_optimizer_state(engine, param, values: dict[str, torch.Tensor], mas
         return
     master = masters[param]
     for key in MOMENTS:
-        base_optimizer(engine).state[master][key].copy_(values[key])
+        base_optimizer(ds_engine).state[master][key].copy_(values[key])
     with torch.no_grad():
         master.copy_(values["fp32"])
 
 
-def undo_initial_zero_step(engine) -> None:
+def undo_initial_zero_step(ds_engine: DeepSpeedEngine) -> None:
     """Undo the step DeepSpeed's unfused bf16/fp16 optimizer (ZeRO-0) takes with zero gradients when
     it is built (`FP16_UnfusedOptimizer.initialize_optimizer_states`, to create Adam's state early).
 
@@ -85,15 +86,15 @@ def undo_initial_zero_step(engine) -> None:
     the state again at the first real step; the copies are taken again from the weights, which the
     step did not touch.
     """
-    if not isinstance(engine.optimizer, FP16_UnfusedOptimizer):
+    if not isinstance(ds_engine.optimizer, FP16_UnfusedOptimizer):
         return
-    base_optimizer(engine).state.clear()
+    base_optimizer(ds_engine).state.clear()
     with torch.no_grad():
-        for weight, master in whole_tensor_masters(engine).items():
+        for weight, master in whole_tensor_masters(ds_engine).items():
             master.copy_(weight)
 
 
-def link_optimizer_fragments(engine) -> None:
+def link_optimizer_fragments(ds_engine: DeepSpeedEngine) -> None:
     """Point every parameter's ZeRO-1/2 (and bf16-optimizer) fragment at its optimizer state.
 
     DeepSpeed links fragments once, right after stepping the *first* parameter group
@@ -101,27 +102,27 @@ def link_optimizer_fragments(engine) -> None:
     `deepspeed.utils.safe_*_optimizer_state` fail for them. Linking again once every group has
     state (after a step, or after the state was created by hand) repairs it.
     """
-    optimizer = engine.optimizer
+    optimizer = ds_engine.optimizer
     if hasattr(optimizer, "_hp_optimizer_states_linked"):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def optimizer_flat_params(engine) -> list[tuple[torch.Tensor, dict]]:
+def optimizer_flat_params(ds_engine: DeepSpeedEngine) -> list[tuple[torch.Tensor, dict]]:
     """(tensor, its param group) for every tensor the torch optimizer keeps Adam state for.
 
     ZeRO-0/1/2 and the bf16 optimizer keep them in the groups' `params`. ZeRO-3 empties those between
     steps (it puts one sub-group's fp32 partition there while stepping it, `_optimizer_step`): its
     tensors are `fp32_partitioned_groups_flat`, sub-group i belonging to group `sub_group_to_group_id[i]`.
     """
-    base, wrapper = base_optimizer(engine), engine.optimizer
+    base, wrapper = base_optimizer(ds_engine), ds_engine.optimizer
     if hasattr(wrapper, "fp32_partitioned_groups_flat"):
         return [(flat, base.param_groups[wrapper.sub_group_to_group_id[i]])
                 for i, flat in enumerate(wrapper.fp32_partitioned_groups_flat)]
     return [(flat, group) for group in base.param_groups for flat in group["params"]]
 
 
-def local_optimizer_state(engine, param, key: str, masters) -> Optional[torch.Tensor]:
+def local_optimizer_state(ds_engine: DeepSpeedEngine, param, key: str, masters) -> Optional[torch.Tensor]:
     """This rank's part of `param`'s optimizer state `key`: its ZeRO fragment, or the whole tensor.
 
     deepspeed.utils has `safe_get_local_optimizer_state` for ZeRO-3 only; for ZeRO-1/2 and the
@@ -134,10 +135,10 @@ def local_optimizer_state(engine, param, key: str, masters) -> Optional[torch.Te
         mapping = param._hp_mapping  # None, or no state yet: this rank holds none of it
         return mapping.get_optim_state_fragment(key) if mapping and key in mapping.get_optim_state_keys() else None
     master = (masters or {}).get(param)
-    return base_optimizer(engine).state.get(master, {}).get(key)
+    return base_optimizer(ds_engine).state.get(master, {}).get(key)
 
 
-def local_grad_tensors(engine) -> Iterator[torch.Tensor]:
+def local_grad_tensors(ds_engine: DeepSpeedEngine) -> Iterator[torch.Tensor]:
     """The gradient storage this rank holds at the end of a step's backward; views of one buffer
     may repeat (count them with accounting.held_bytes).
 
@@ -146,16 +147,16 @@ def local_grad_tensors(engine) -> Iterator[torch.Tensor]:
     `grad_partitions_flat_buffer`. (ZeRO-3's `safe_get_local_grad` is no storage of its own: a view
     of that partition in fp32, or an fp32 copy of a bf16 one.)
     """
-    yield from (p.grad for p in engine.module.parameters() if p.requires_grad and p.grad is not None)
-    for grads in getattr(engine.optimizer, "averaged_gradients", {}).values():
+    yield from (p.grad for p in ds_engine.module.parameters() if p.requires_grad and p.grad is not None)
+    for grads in getattr(ds_engine.optimizer, "averaged_gradients", {}).values():
         yield from (g for g in grads or () if g is not None)
     for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
-        buffer = getattr(engine.optimizer, name, None)
+        buffer = getattr(ds_engine.optimizer, name, None)
         if torch.is_tensor(buffer):
             yield buffer
 
 
-def keep_fp32_clip_norm(engine, record: Callable[[torch.Tensor, bool], None]) -> None:
+def keep_fp32_clip_norm(ds_engine: DeepSpeedEngine, record: Callable[[torch.Tensor, bool], None]) -> None:
     """Hand the total norm of DeepSpeed's fp32 gradient clipping to `record(norm, covers_local_grads)`.
 
     Without ZeRO and mixed precision the engine clips itself, in `_take_model_step` right before
@@ -171,21 +172,22 @@ def keep_fp32_clip_norm(engine, record: Callable[[torch.Tensor, bool], None]) ->
     every gradient scaled by it — without DeepSpeed's two all-reduces over one rank and its
     per-tensor Python loops (~0.7 ms a step at nanoGPT's shakespeare size).
     """
-    if not callable(getattr(engine, "clip_fp32_gradients", None)):
+    if not callable(getattr(ds_engine, "clip_fp32_gradients", None)):
         raise RuntimeError("this DeepSpeed has no DeepSpeedEngine.clip_fp32_gradients: re-check keep_fp32_clip_norm")
 
     def clip_fp32_gradients() -> None:
-        mpu = engine.mpu
+        mpu = ds_engine.mpu
         if torch.distributed.get_world_size() == 1:
-            params = [p for p in engine.module.parameters() if p.grad is not None]
+            params = [p for p in ds_engine.module.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-            torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), norm, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, ds_engine.gradient_clipping(), norm, foreach=True)
             record(norm, True)
             return
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=mpu)
+        norm = clip_grad_norm_(parameters=ds_engine.module.parameters(), max_norm=ds_engine.gradient_clipping(),
+                               mpu=mpu)
         record(norm, mpu is None or mpu.get_model_parallel_rank() == 0)
 
-    engine.clip_fp32_gradients = clip_fp32_gradients
+    ds_engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 def full_numel(param: torch.Tensor) -> int:

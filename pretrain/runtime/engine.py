@@ -1,4 +1,4 @@
-"""DeepSpeed engine for a run: model assembly, DeepSpeed JSON, and the `Engine` around DeepSpeed's.
+"""DeepSpeed engine for a run: model assembly, DeepSpeed JSON, and the `TrainEngine` around DeepSpeed's.
 
 The model is the stage list of ora_megatron.stages, assembled as a plain module (pipeline size 1)
 or as `PipelinedGPT` (pipeline size > 1); both name parameters `{stage name}.{parameter}`. The loss
@@ -124,7 +124,7 @@ def _pipeline_module(cfg: RunConfig) -> PipelinedGPT:
 
 
 @dataclass
-class Engine:
+class TrainEngine:
     """A run's DeepSpeed engine (`ds_engine`: a PipelineEngine when pipelined) with its LR schedule
     and what the training loop needs to know about the layout."""
 
@@ -193,7 +193,7 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
     return model
 
 
-def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None = None) -> Engine:
+def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None = None) -> TrainEngine:
     model = model if model is not None else build_model(cfg)
     opt = cfg.optimizer
     fp32_zero0 = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
@@ -206,6 +206,6 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(ds_engine, ds_engine.optimizer.record_clip_norm)
     single_replica = fp32_zero0 and not pipelined and parallel_state.get_data_parallel_world_size() == 1
-    return Engine(ds_engine=ds_engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
-                  single_replica=single_replica, trainable=[p for p in model.parameters() if p.requires_grad],
-                  reports_no_grad_norm=fp32_zero0 and opt.clip_grad <= 0)
+    return TrainEngine(ds_engine=ds_engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
+                       single_replica=single_replica, trainable=[p for p in model.parameters() if p.requires_grad],
+                       reports_no_grad_norm=fp32_zero0 and opt.clip_grad <= 0)

@@ -10,6 +10,7 @@ optimizer with their state.
 from __future__ import annotations
 
 import torch
+from deepspeed import DeepSpeedEngine
 
 from ora_megatron.attention import RandomQKVLinear
 from pretrain.config import RunConfig
@@ -20,7 +21,7 @@ from pretrain.runtime.ds_internals import (
     set_full_optimizer_state,
     whole_tensor_masters,
 )
-from pretrain.runtime.engine import build_engine
+from pretrain.runtime.engine import TrainEngine, build_engine
 
 
 def _layers(layer_set, num_layers: int) -> set[int]:
@@ -55,16 +56,16 @@ def _trainability_changes(module: torch.nn.Module, wanted: dict) -> list[tuple[t
     return changes
 
 
-def _capture(engine) -> tuple[dict, dict]:
+def _capture(ds_engine: DeepSpeedEngine) -> tuple[dict, dict]:
     """Per trainable parameter: fp32 master and Adam moments; per group name: Adam step."""
     per_param = {}
-    base = base_optimizer(engine)
+    base = base_optimizer(ds_engine)
     if not base.state:  # before the first step (on every rank alike): nothing to carry
         return {}, {}
-    link_optimizer_fragments(engine)
-    masters = whole_tensor_masters(engine)
-    for param in (p for p in engine.module.parameters() if p.requires_grad):
-        state = full_optimizer_state(engine, param, masters)
+    link_optimizer_fragments(ds_engine)
+    masters = whole_tensor_masters(ds_engine)
+    for param in (p for p in ds_engine.module.parameters() if p.requires_grad):
+        state = full_optimizer_state(ds_engine, param, masters)
         if all(v is not None for v in state.values()):
             per_param[id(param)] = {k: v.detach().cpu().clone() for k, v in state.items()}
     steps = {}
@@ -75,9 +76,9 @@ def _capture(engine) -> tuple[dict, dict]:
     return per_param, steps
 
 
-def _restore(engine, per_param: dict, steps: dict) -> None:
-    base = base_optimizer(engine)
-    masters = whole_tensor_masters(engine)
+def _restore(ds_engine: DeepSpeedEngine, per_param: dict, steps: dict) -> None:
+    base = base_optimizer(ds_engine)
+    masters = whole_tensor_masters(ds_engine)
     for group in base.param_groups:
         if group["name"] not in steps:
             continue
@@ -85,27 +86,27 @@ def _restore(engine, per_param: dict, steps: dict) -> None:
             base.state[flat] = {"step": steps[group["name"]].clone(),
                                 "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     if masters is None:
-        link_optimizer_fragments(engine)  # to the state just created
-    for param in engine.module.parameters():
+        link_optimizer_fragments(ds_engine)  # to the state just created
+    for param in ds_engine.module.parameters():
         carried = per_param.get(id(param))
         if carried is None or not param.requires_grad:
             continue
         # fp32 masters too: a new bf16/fp16 engine copied its own from the rounded weights
-        set_full_optimizer_state(engine, param, carried, masters)
+        set_full_optimizer_state(ds_engine, param, carried, masters)
 
 
-def apply_freeze_stage(cfg: RunConfig, eng, index: int, grad_accum: int):
+def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, grad_accum: int):
     """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed."""
-    module = eng.module
+    module = train_engine.module
     changes = _trainability_changes(module, trainability(cfg, index))
     if not changes:
-        return eng
-    per_param, steps = _capture(eng.ds_engine)
+        return train_engine
+    per_param, steps = _capture(train_engine.ds_engine)
     for param, flag in changes:
         param.requires_grad_(flag)
         param.optimizer_cohort = f"stage{index}"  # its own Adam step count
-    scheduler_state = eng.scheduler.state_dict()
-    eng.ds_engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
+    scheduler_state = train_engine.scheduler.state_dict()
+    train_engine.ds_engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
     new = build_engine(cfg, grad_accum, model=module)
     new.scheduler.load_state_dict(scheduler_state)
     _restore(new.ds_engine, per_param, steps)

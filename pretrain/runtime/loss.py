@@ -9,6 +9,7 @@ the logits of all tokens. The pipeline's last stage sees logits only: its `loss_
 from __future__ import annotations
 
 import torch
+from deepspeed import DeepSpeedEngine
 from megatron.core import parallel_state
 
 from ora_megatron.cross_entropy import lm_loss
@@ -16,12 +17,12 @@ from ora_megatron.cross_entropy import lm_loss
 __all__ = ["batch_loss", "data_parallel_mean", "lm_loss"]
 
 
-def batch_loss(engine, batch: dict) -> torch.Tensor:
+def batch_loss(ds_engine: DeepSpeedEngine, batch: dict) -> torch.Tensor:
     """Loss of one micro-batch through a plain (not pipelined) engine."""
     # DeepSpeed's plain engine does not move inputs (its pipeline engine does); batches are host tensors.
-    tokens, labels, loss_mask = (batch[k].to(engine.device, non_blocking=True)
+    tokens, labels, loss_mask = (batch[k].to(ds_engine.device, non_blocking=True)
                                  for k in ("tokens", "labels", "loss_mask"))
-    return engine(tokens, (labels, loss_mask))
+    return ds_engine(tokens, (labels, loss_mask))
 
 
 def data_parallel_mean(value: torch.Tensor) -> float:

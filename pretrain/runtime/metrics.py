@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from pretrain.config import RunConfig
 from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, config_hash, write_text_atomic
 from pretrain.runtime.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
+from pretrain.runtime.engine import TrainEngine
 
 
 class IterationTimer:
@@ -200,7 +201,7 @@ def layer_grad_norms_due(cfg: RunConfig, step: int) -> bool:
     return cfg.logging.layer_grad_norms and step % cfg.train.log_interval == 0
 
 
-def layer_grad_norms(eng) -> Optional[dict[str, Optional[float]]]:
+def layer_grad_norms(train_engine: TrainEngine) -> Optional[dict[str, Optional[float]]]:
     """The 2-norm of each stage's gradient (`{"embedding": …, "layer1": …, "final_norm": …}`), unscaled,
     before clipping: their root sum of squares is the step's grad_norm. None for a pipeline (its
     engine steps inside train_batch: the gradients are never there to read); None for a stage whose
@@ -212,11 +213,11 @@ def layer_grad_norms(eng) -> Optional[dict[str, Optional[float]]]:
     every parameter, in the same order). Tensor-parallel shards are summed over the TP group,
     replicated weights counted once (TP rank 0). fp16 gradients are divided by the loss scale.
     """
-    if eng.pipelined:
+    if train_engine.pipelined:
         return None
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     squares: dict[str, torch.Tensor] = {}
-    for name, param in eng.named_parameters():
+    for name, param in train_engine.named_parameters():
         if not param.requires_grad:
             continue
         stage = name.split(".", 1)[0]
@@ -227,6 +228,6 @@ def layer_grad_norms(eng) -> Optional[dict[str, Optional[float]]]:
     stacked = torch.stack(list(squares.values()))
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(stacked, group=parallel_state.get_tensor_model_parallel_group())
-    scale = float(getattr(eng.ds_engine.optimizer, "loss_scale", 1.0))
+    scale = float(getattr(train_engine.ds_engine.optimizer, "loss_scale", 1.0))
     norms = (stacked.sqrt() / scale).tolist()
     return {stage: norm if math.isfinite(norm) else None for stage, norm in zip(squares, norms)}

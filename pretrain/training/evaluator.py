@@ -9,6 +9,7 @@ import torch
 from pretrain.checkpoint.checkpointer import TrainState
 from pretrain.config import RunConfig
 from pretrain.runtime.data import StepBatches
+from pretrain.runtime.engine import TrainEngine
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import MetricsLogger
 
@@ -21,28 +22,28 @@ class Evaluator:
         self.last_valid_loss: Optional[float] = None
 
     @torch.no_grad()
-    def loss(self, eng, split: str) -> Optional[float]:
+    def loss(self, train_engine: TrainEngine, split: str) -> Optional[float]:
         """Mean loss over eval_iters global batches of `split` (None if the run has no such split)."""
         if not self.batches.has(split):
             return None
-        engine = eng.ds_engine
-        engine.eval()
+        ds_engine = train_engine.ds_engine
+        ds_engine.eval()
         losses = []
         for i in range(self.cfg.train.eval_iters):
-            if eng.pipelined:
-                losses.append(engine.eval_batch(data_iter=self.batches.pipeline_iter(split, i)).float())
+            if train_engine.pipelined:
+                losses.append(ds_engine.eval_batch(data_iter=self.batches.pipeline_iter(split, i)).float())
             else:
-                losses += [batch_loss(engine, self.batches.micro_batch(split, i, m))
+                losses += [batch_loss(ds_engine, self.batches.micro_batch(split, i, m))
                            for m in range(self.batches.order.grad_accum)]
-        engine.train()
+        ds_engine.train()
         loss = torch.stack(losses).mean()
-        return loss.item() if eng.pipelined else data_parallel_mean(loss)
+        return loss.item() if train_engine.pipelined else data_parallel_mean(loss)
 
-    def after_step(self, eng, state: TrainState) -> bool:
+    def after_step(self, train_engine: TrainEngine, state: TrainState) -> bool:
         """Validate if due; True when early stopping says stop (its counters live in `state`)."""
         if not self.cfg.train.evaluates_at(state.step):
             return False
-        loss = self.loss(eng, "valid")
+        loss = self.loss(train_engine, "valid")
         if loss is None:
             return False
         self.last_valid_loss = loss
@@ -54,8 +55,8 @@ class Evaluator:
             state.evals_without_improvement += 1
         return early.enabled and state.evals_without_improvement >= early.patience
 
-    def test(self, eng, step: int) -> Optional[float]:
-        loss = self.loss(eng, "test")
+    def test(self, train_engine: TrainEngine, step: int) -> Optional[float]:
+        loss = self.loss(train_engine, "test")
         if loss is not None:
             self.logger.evaluation(step, "test", loss)
         return loss

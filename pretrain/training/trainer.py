@@ -20,7 +20,7 @@ from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
-from pretrain.runtime.engine import Engine, MegatronMPU, build_engine
+from pretrain.runtime.engine import MegatronMPU, TrainEngine, build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
@@ -56,10 +56,10 @@ class Trainer:
         self.cfg, self.grad_accum = cfg, grad_accum
         datasets = build_datasets(cfg, build_tokenizer(cfg), run_dir.data_cache)
         self.state = TrainState()
-        self.eng: Engine = build_engine(cfg, grad_accum)
-        self.param_counts = accounting.parameter_counts(self.eng)
+        self.train_engine: TrainEngine = build_engine(cfg, grad_accum)
+        self.param_counts = accounting.parameter_counts(self.train_engine)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
-        self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (Engine.reports_no_grad_norm)
+        self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (TrainEngine.reports_no_grad_norm)
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
         self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
         self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()),
@@ -68,16 +68,16 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
 
     def _dp_rank_size(self) -> tuple[int, int]:
-        if self.eng.pipelined:
-            grid = self.eng.ds_engine.grid
+        if self.train_engine.pipelined:
+            grid = self.train_engine.ds_engine.grid
             return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
     def _enter_freeze_stage(self, index: int) -> None:
         if index != self.state.freeze_stage:
-            self.eng = apply_freeze_stage(self.cfg, self.eng, index, self.grad_accum)
+            self.train_engine = apply_freeze_stage(self.cfg, self.train_engine, index, self.grad_accum)
             self.state.freeze_stage = index
-            self.param_counts = accounting.parameter_counts(self.eng)
+            self.param_counts = accounting.parameter_counts(self.train_engine)
             self.grad_bytes = None
 
     def resume(self) -> bool:
@@ -89,42 +89,43 @@ class Trainer:
         self._enter_freeze_stage(saved.freeze_stage)  # the optimizer must hold the saved trainable set
         # Written by another topology: the launcher converted it once (pretrain/checkpoint/reshard.py).
         converted = reshard.converted_checkpoint(self.run_dir, tag, self.cfg, dist.get_world_size())
-        self.checkpointer.load(self.eng, tag, saved, converted)
+        self.checkpointer.load(self.train_engine, tag, saved, converted)
         self.state = saved
         return True
 
     # ------------------------------------------------------------------ one step
     def _train_step(self, step: int) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss, left on the device until it is logged."""
-        engine = self.eng.ds_engine
-        if self.eng.pipelined:
-            return engine.train_batch(data_iter=self.batches.pipeline_iter("train", step))
+        ds_engine = self.train_engine.ds_engine
+        if self.train_engine.pipelined:
+            return ds_engine.train_batch(data_iter=self.batches.pipeline_iter("train", step))
         losses = []
         poison = step + 1 in self.cfg.train.inject_nonfinite_loss_steps
         for micro in range(self.grad_accum):
-            loss = batch_loss(engine, self.batches.micro_batch("train", step, micro))
+            loss = batch_loss(ds_engine, self.batches.micro_batch("train", step, micro))
             if poison:
                 loss = loss * float("nan")
             last = micro == self.grad_accum - 1
-            self.eng.backward(loss, last_micro_batch=last)
+            self.train_engine.backward(loss, last_micro_batch=last)
             if last:
                 if self.grad_bytes is None:  # gradient storage only changes with the trainable set
-                    self.grad_bytes = accounting.local_grad_bytes(engine)
-                if self.eng.reports_no_grad_norm:
-                    self.zero0_grad_norm = float(get_flattened_grad_norm(self.eng.trainable, mpu=MegatronMPU()))
+                    self.grad_bytes = accounting.local_grad_bytes(ds_engine)
+                if self.train_engine.reports_no_grad_norm:
+                    trainable = self.train_engine.trainable
+                    self.zero0_grad_norm = float(get_flattened_grad_norm(trainable, mpu=MegatronMPU()))
                 due = layer_grad_norms_due(self.cfg, step + 1)
-                self.layer_grad_norms = layer_grad_norms(self.eng) if due else None
-            engine.step()
+                self.layer_grad_norms = layer_grad_norms(self.train_engine) if due else None
+            ds_engine.step()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
     def _mean_loss(self, loss: torch.Tensor) -> float:
         """The step's loss over the data-parallel ranks (the pipeline engine has reduced it already)."""
-        return loss.item() if self.eng.pipelined else data_parallel_mean(loss)
+        return loss.item() if self.train_engine.pipelined else data_parallel_mean(loss)
 
     def _grad_norm(self) -> Optional[float]:
         """None where there is none, or where it is not finite (a skipped step)."""
-        norm = self.eng.ds_engine.get_global_grad_norm()
+        norm = self.train_engine.ds_engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else self.zero0_grad_norm
         return norm if norm is not None and math.isfinite(norm) and norm >= 0 else None
 
@@ -150,11 +151,11 @@ class Trainer:
         while state.step < cfg.steps:
             with timer.paused():  # an engine rebuild at a freeze-schedule boundary is no step's time
                 self._enter_freeze_stage(cfg.freeze_stage_at(state.step))
-            self.eng.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
-            skipped_before = self.eng.ds_engine.skipped_steps
+            self.train_engine.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
+            skipped_before = self.train_engine.ds_engine.skipped_steps
             loss = self._train_step(state.step)
             timer.lap()
-            skipped = self.eng.ds_engine.skipped_steps > skipped_before
+            skipped = self.train_engine.ds_engine.skipped_steps > skipped_before
             state.step += 1
             state.tokens_seen += self.cfg.tokens_per_step
             state.skipped_steps += int(skipped)
@@ -166,18 +167,18 @@ class Trainer:
                 logger.train_step(
                     state.step, train_loss, seconds, window_steps=steps, skipped=skipped,
                     skipped_steps=state.skipped_steps,
-                    lr=self.eng.scheduler.get_lr(self.eng.ds_engine.optimizer.param_groups[0]),
+                    lr=self.train_engine.scheduler.get_lr(self.train_engine.ds_engine.optimizer.param_groups[0]),
                     grad_norm=self._grad_norm(), trainable_params=self.param_counts[0],
                     layer_grad_norms=self.layer_grad_norms)
             logger.step_done(state.step)
             too_many_skips = state.consecutive_skips >= cfg.max_consecutive_skips
             with timer.paused():
-                stopped_early = not too_many_skips and evaluator.after_step(self.eng, state)
+                stopped_early = not too_many_skips and evaluator.after_step(self.train_engine, state)
             preempted = preemption.agreed()
             final = state.step == cfg.steps or too_many_skips or stopped_early or preempted
             state.train_time_s = train_time_s()
             with timer.paused():
-                self.checkpointer.save_if_due(self.eng, state, final=final)
+                self.checkpointer.save_if_due(self.train_engine, state, final=final)
             if too_many_skips:
                 raise TrainingStopped(
                     f"{state.consecutive_skips} consecutive steps had non-finite loss or gradients "
@@ -186,7 +187,7 @@ class Trainer:
                 break
         if loss is not None and not loss_reduced:
             train_loss = self._mean_loss(loss)  # the last step was not logged
-        test_loss = None if preempted else evaluator.test(self.eng, state.step)
+        test_loss = None if preempted else evaluator.test(self.train_engine, state.step)
         trainable, frozen = self.param_counts
         return Summary(
             final_train_loss=train_loss, final_valid_loss=evaluator.last_valid_loss, final_test_loss=test_loss,
@@ -197,5 +198,5 @@ class Trainer:
     def _allocated_by_rank(self) -> list[dict]:
         """Every rank's optimizer-state and gradient bytes (a collective)."""
         allocated = [None] * dist.get_world_size()
-        dist.all_gather_object(allocated, accounting.allocated_state(self.eng.ds_engine, self.grad_bytes))
+        dist.all_gather_object(allocated, accounting.allocated_state(self.train_engine.ds_engine, self.grad_bytes))
         return allocated

@@ -31,11 +31,11 @@ def _save_failing_with(run_dir: RunDir, error: Exception, monkeypatch) -> str:
         (run_dir.checkpoint(tag) / "mp_rank_00_model_states.pt").write_bytes(b"partial")
         raise error
 
-    monkeypatch.setattr(checkpoint.reshard, "optimizer_record", lambda eng: {})
-    eng = SimpleNamespace(scheduler=SimpleNamespace(state_dict=dict),
-                          ds_engine=SimpleNamespace(save_checkpoint=save_checkpoint))
+    monkeypatch.setattr(checkpoint.reshard, "optimizer_record", lambda train_engine: {})
+    train_engine = SimpleNamespace(scheduler=SimpleNamespace(state_dict=dict),
+                                   ds_engine=SimpleNamespace(save_checkpoint=save_checkpoint))
     with pytest.raises(CheckpointSaveFailed) as failed:
-        Checkpointer(run_dir, CheckpointConfig()).save(eng, TrainState(step=6))
+        Checkpointer(run_dir, CheckpointConfig()).save(train_engine, TrainState(step=6))
     return str(failed.value)
 
 
@@ -86,15 +86,15 @@ def test_first_save_failing_says_there_is_no_checkpoint_yet(tmp_path, monkeypatc
 
 def test_errors_that_are_not_write_failures_pass_through(run_dir, monkeypatch):
     bug = RuntimeError("shape mismatch in optimizer state")
-    monkeypatch.setattr(checkpoint.reshard, "optimizer_record", lambda eng: {})
+    monkeypatch.setattr(checkpoint.reshard, "optimizer_record", lambda train_engine: {})
 
     def save_checkpoint(save_dir, tag, **_):
         raise bug
 
-    eng = SimpleNamespace(scheduler=SimpleNamespace(state_dict=dict),
-                          ds_engine=SimpleNamespace(save_checkpoint=save_checkpoint))
+    train_engine = SimpleNamespace(scheduler=SimpleNamespace(state_dict=dict),
+                                   ds_engine=SimpleNamespace(save_checkpoint=save_checkpoint))
     with pytest.raises(RuntimeError) as raised:
-        Checkpointer(run_dir, CheckpointConfig()).save(eng, TrainState(step=6))
+        Checkpointer(run_dir, CheckpointConfig()).save(train_engine, TrainState(step=6))
     assert raised.value is bug
 
 

@@ -117,32 +117,32 @@ def one_process_group():
 
 
 @pytest.fixture(scope="module")
-def engine(reference, one_process_group):
+def train_engine(reference, one_process_group):
     """A training engine for the reference run's config (ZeRO-0, fp32), built once."""
     cfg = RunDir(reference).read_config()
     return build_engine(cfg, validate_for_world(cfg, 1))
 
 
-def load_latest(run_dir: RunDir, eng) -> None:
+def load_latest(run_dir: RunDir, train_engine) -> None:
     """What the training worker does on resume (Trainer.resume, same topology)."""
     checkpointer = Checkpointer(run_dir, run_dir.read_config().checkpoint)
     tag = checkpointer.latest()
-    checkpointer.load(eng, tag, checkpointer.read_state(tag))
+    checkpointer.load(train_engine, tag, checkpointer.read_state(tag))
 
 
 @pytest.mark.parametrize("name", [MODEL_STATES,  # read by DeepSpeed's load_checkpoint
                                   "rng_rank0.pt"])  # read by the checkpointer itself
-def test_worker_load_refuses(reference, engine, tmp_path, marker, name):
+def test_worker_load_refuses(reference, train_engine, tmp_path, marker, name):
     run_dir = received(reference, tmp_path)
     path = plant(run_dir, name, marker)
     with pytest.raises(UnsafeCheckpointFile, match=path):
-        load_latest(run_dir, engine)
+        load_latest(run_dir, train_engine)
 
 
-def test_worker_load_restores_rng_state(reference, engine, tmp_path):
+def test_worker_load_restores_rng_state(reference, train_engine, tmp_path):
     """RNG states are saved as numbers and lists and read back exactly."""
     run_dir = received(reference, tmp_path)
-    load_latest(run_dir, engine)
+    load_latest(run_dir, train_engine)
     rng_file = run_dir.rng_state_file(run_dir.latest_checkpoint(), 0)
     saved = torch.load(rng_file, weights_only=True)
     assert random.getstate() == saved["python"] and torch.equal(torch.get_rng_state(), saved["torch"])

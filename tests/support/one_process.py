@@ -32,10 +32,11 @@ def tiny_run(variant: str = "ora_qr", **sections) -> RunConfig:
     return dataclasses.replace(cfg, **sections)
 
 
-def optimizer_steps(eng, count: int) -> None:
+def optimizer_steps(train_engine, count: int) -> None:
     """`count` optimizer steps of a plain engine (one micro-batch each), LR schedule included."""
     for step in range(count):
-        eng.scheduler.step(1)
+        train_engine.scheduler.step(1)
         batch = tokens(step)
-        eng.backward(lm_loss(eng.ds_engine(batch), (batch, batch.new_ones(batch.shape))), last_micro_batch=True)
-        eng.ds_engine.step()
+        loss = lm_loss(train_engine.ds_engine(batch), (batch, batch.new_ones(batch.shape)))
+        train_engine.backward(loss, last_micro_batch=True)
+        train_engine.ds_engine.step()

@@ -73,6 +73,9 @@ from pretrain.research.memory_plan import (
     config_path,  # a file, or a preset name: resolved as `python -m pretrain.research.memory_plan` does
 )
 
+if typing.TYPE_CHECKING:  # the engine imports DeepSpeed: only when an arm is built (build_arm)
+    from pretrain.runtime.engine import TrainEngine
+
 SCHEMA = "ora-bench/1"
 ATTENTION_TYPES = typing.get_args(AttentionType)
 
@@ -145,7 +148,7 @@ class Arm:
     name: str
     cfg: RunConfig
     grad_accum: int
-    eng: object  # pretrain.runtime.engine.Engine
+    train_engine: TrainEngine
     step_times: list[float] = field(default_factory=list)
     step_cpu_times: list[float] = field(default_factory=list)
     inference_times: list[float] = field(default_factory=list)
@@ -161,30 +164,30 @@ class Arm:
         """One optimizer step, as Trainer._train_step takes it through a plain engine."""
         from pretrain.runtime.loss import batch_loss
 
-        engine = self.eng.ds_engine
-        self.eng.scheduler.step(1)
+        ds_engine = self.train_engine.ds_engine
+        self.train_engine.scheduler.step(1)
         for micro in range(self.grad_accum):
             batch = batches[(step * self.grad_accum + micro) % len(batches)]
             with forward_context(micro):
-                loss = batch_loss(engine, batch)
-            self.eng.backward(loss, last_micro_batch=micro == self.grad_accum - 1)
+                loss = batch_loss(ds_engine, batch)
+            self.train_engine.backward(loss, last_micro_batch=micro == self.grad_accum - 1)
             after_backward(micro)
-            engine.step()
+            ds_engine.step()
         self.losses.append(loss.item())
 
     def inference(self, batch) -> None:
-        module = self.eng.module
+        module = self.train_engine.module
         module.eval()
         with torch.no_grad():
-            module(batch["tokens"].to(self.eng.ds_engine.device))
+            module(batch["tokens"].to(self.train_engine.ds_engine.device))
         module.train()
 
     def probe_step(self, batches, step: int) -> None:
         """One training step under FlopCounterMode and saved-tensor hooks; reads gradient bytes too."""
         from pretrain.runtime import accounting
 
-        engine = self.eng.ds_engine
-        saved = SavedTensorBytes(engine.module)
+        ds_engine = self.train_engine.ds_engine
+        saved = SavedTensorBytes(ds_engine.module)
         grad_bytes = {}
 
         def forward_context(micro):
@@ -195,7 +198,7 @@ class Arm:
 
         def after_backward(micro):
             if micro == self.grad_accum - 1:  # what the optimizer step reads
-                grad_bytes["total"] = accounting.local_grad_bytes(engine)
+                grad_bytes["total"] = accounting.local_grad_bytes(ds_engine)
 
         cuda = torch.cuda.is_available()
         if cuda:
@@ -215,10 +218,10 @@ class Arm:
     def report(self) -> dict:
         from pretrain.runtime import accounting
 
-        engine, model = self.eng.ds_engine, self.cfg.model
-        params = list(engine.module.parameters())
+        ds_engine, model = self.train_engine.ds_engine, self.cfg.model
+        params = list(ds_engine.module.parameters())
         trainable = [p for p in params if p.requires_grad]
-        state = accounting.allocated_state(engine, self.probe["gradient_bytes"])
+        state = accounting.allocated_state(ds_engine, self.probe["gradient_bytes"])
         step_time = statistics.median(self.step_times)
         inference_time = statistics.median(self.inference_times)
         tokens_per_s = self.tokens_per_step / step_time

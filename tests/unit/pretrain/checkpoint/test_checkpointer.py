@@ -25,9 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gl
 @pytest.fixture(scope="module")
 def trained():
     """A tiny ORA engine after 3 optimizer steps (ZeRO-0, fp32): what the tests save."""
-    eng = build_engine(tiny_run(), grad_accum=1)
-    optimizer_steps(eng, 3)
-    return eng
+    train_engine = build_engine(tiny_run(), grad_accum=1)
+    optimizer_steps(train_engine, 3)
+    return train_engine
 
 
 def fresh_engine():
@@ -42,9 +42,9 @@ def saved_steps(checkpointer: Checkpointer, monkeypatch) -> list[int]:
     """The steps `checkpointer.save` is called for from now on (it still saves)."""
     steps, save = [], checkpointer.save
 
-    def recording_save(eng, state):
+    def recording_save(train_engine, state):
         steps.append(state.step)
-        return save(eng, state)
+        return save(train_engine, state)
 
     monkeypatch.setattr(checkpointer, "save", recording_save)
     return steps
@@ -128,16 +128,17 @@ def test_load_restores_weights_lr_schedule_and_rng(trained, tmp_path):
     draws = [random.random(), np.random.rand(), torch.rand(1).item()]
     lr = trained.ds_engine.optimizer.param_groups[0]["lr"]
 
-    eng = fresh_engine()
+    train_engine = fresh_engine()
     resumed = Checkpointer(ckpt.run_dir, ckpt.cfg)
-    resumed.load(eng, checkpoint_tag(3), resumed.read_state(checkpoint_tag(3)))
+    resumed.load(train_engine, checkpoint_tag(3), resumed.read_state(checkpoint_tag(3)))
 
-    assert eng.scheduler.num_steps == 3 and eng.scheduler.state_dict() == trained.scheduler.state_dict()
-    assert eng.ds_engine.optimizer.param_groups[0]["lr"] == lr > 0
-    assert all(torch.equal(p, q) for p, q in zip(eng.module.parameters(), trained.module.parameters()))
+    scheduler = train_engine.scheduler
+    assert scheduler.num_steps == 3 and scheduler.state_dict() == trained.scheduler.state_dict()
+    assert train_engine.ds_engine.optimizer.param_groups[0]["lr"] == lr > 0
+    assert all(torch.equal(p, q) for p, q in zip(train_engine.module.parameters(), trained.module.parameters()))
     assert [random.random(), np.random.rand(), torch.rand(1).item()] == draws
     assert resumed.last_saved_step == 3  # a resume at its final step does not save that step again
-    resumed.save_if_due(eng, TrainState(step=3), final=True)
+    resumed.save_if_due(train_engine, TrainState(step=3), final=True)
     assert resumed.run_dir.checkpoint_tags() == [checkpoint_tag(3)]
 
 
@@ -152,9 +153,9 @@ def test_load_regenerates_frozen_qk(trained, tmp_path):
     finally:
         with torch.no_grad():
             q.copy_(regenerated)
-    eng = fresh_engine()
-    ckpt.load(eng, checkpoint_tag(3), ckpt.read_state(checkpoint_tag(3)))
-    assert torch.equal(first_q(eng.module), regenerated)
+    train_engine = fresh_engine()
+    ckpt.load(train_engine, checkpoint_tag(3), ckpt.read_state(checkpoint_tag(3)))
+    assert torch.equal(first_q(train_engine.module), regenerated)
 
 
 def test_load_refuses_frozen_qk_of_another_seed(trained, tmp_path):

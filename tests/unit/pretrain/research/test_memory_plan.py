@@ -80,15 +80,15 @@ class StateReader:
     """Sorts a rank's live tensor bytes into weights, fp32 masters, Adam moments and the rest
     (gradients, DeepSpeed's buffers), keeping the reading where the rest peaks."""
 
-    def __init__(self, engine, before: list[torch.Tensor]):
+    def __init__(self, ds_engine, before: list[torch.Tensor]):
         from pretrain.runtime.ds_internals import base_optimizer, optimizer_flat_params
 
         # Held, not just remembered: a freed storage's address could be reused by a new one.
         self.before, self.baseline = before, _storages(before).keys()
-        self.engine = engine
-        self.params = list(engine.module.parameters())
-        self.flats = [flat for flat, _ in optimizer_flat_params(engine)]
-        self.optimizer = base_optimizer(engine)
+        self.engine = ds_engine
+        self.params = list(ds_engine.module.parameters())
+        self.flats = [flat for flat, _ in optimizer_flat_params(ds_engine)]
+        self.optimizer = base_optimizer(ds_engine)
         self.peak: dict[str, int] = {}
 
     def read(self) -> dict[str, int]:
@@ -140,11 +140,11 @@ def _measure_layout(path: str, zero: int, precision: str) -> dict:
 
     cfg = load_run_config(path, overrides(zero, precision))
     before = _live_tensors()
-    engine = build_engine(cfg, grad_accum=1).ds_engine
-    reader = StateReader(engine, before)
+    ds_engine = build_engine(cfg, grad_accum=1).ds_engine
+    reader = StateReader(ds_engine, before)
     seen: dict[str, int] = {}
     for step in range(2):
-        loss = batch_loss(engine, _batch())
+        loss = batch_loss(ds_engine, _batch())
         if step == 1:
             seen["gathered_after_forward"] = reader.gathered_bytes()
             if zero in (1, 2):  # the embedding's gradient arrives last in backward
@@ -152,14 +152,14 @@ def _measure_layout(path: str, zero: int, precision: str) -> dict:
                     seen["largest_in_backward"] = max(_storages(_live_tensors()).values())
 
                 reader.params[0].register_post_accumulate_grad_hook(largest_in_backward)
-        engine.backward(loss)
+        ds_engine.backward(loss)
         if step == 1:
             reader.record()
             reader.optimizer.register_step_pre_hook(reader.record)
             if zero > 0:
                 reader.watch_flatten()
-        engine.step()
-    engine.destroy()
+        ds_engine.step()
+    ds_engine.destroy()
     return {**reader.peak, **seen}
 
 

@@ -23,24 +23,24 @@ pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gl
 
 
 @pytest.fixture(scope="module")
-def eng():
+def train_engine():
     """A tiny ORA engine: its Q and K (D×D in each layer) frozen, everything else trainable."""
     return build_engine(tiny_run("ora_qr"), grad_accum=1)
 
 
 # ---------------------------------------------------------------------------- parameters
-def test_parameter_counts_split_trainable_and_frozen(eng):
+def test_parameter_counts_split_trainable_and_frozen(train_engine):
     frozen = LAYERS * 2 * D * D
-    total = sum(p.numel() for p in eng.module.parameters())
-    assert accounting.parameter_counts(eng) == (total - frozen, frozen)
+    total = sum(p.numel() for p in train_engine.module.parameters())
+    assert accounting.parameter_counts(train_engine) == (total - frozen, frozen)
 
 
-def test_parameter_counts_are_per_model_not_per_replica(eng, monkeypatch):
+def test_parameter_counts_are_per_model_not_per_replica(train_engine, monkeypatch):
     """The all-reduce sums every data-parallel replica's count: two replicas count the model once."""
-    single = accounting.parameter_counts(eng)
+    single = accounting.parameter_counts(train_engine)
     monkeypatch.setattr(accounting, "dist", SimpleNamespace(all_reduce=lambda counts: counts.mul_(2),
                                                             get_world_size=lambda: 2))
-    assert accounting.parameter_counts(eng) == single
+    assert accounting.parameter_counts(train_engine) == single
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -64,15 +64,16 @@ def test_held_bytes_counts_shared_storage_once():
     assert accounting.held_bytes([]) == 0
 
 
-def test_gradient_and_adam_state_bytes(eng):
+def test_gradient_and_adam_state_bytes(train_engine):
     """fp32 without ZeRO: a gradient of each trainable weight, then an fp32 m and v of it after a step."""
-    trainable, _ = accounting.parameter_counts(eng)
+    trainable, _ = accounting.parameter_counts(train_engine)
     batch = tokens()
-    eng.backward(lm_loss(eng.ds_engine(batch), (batch, torch.ones_like(batch))), last_micro_batch=True)
-    grad_bytes = accounting.local_grad_bytes(eng.ds_engine)
+    loss = lm_loss(train_engine.ds_engine(batch), (batch, torch.ones_like(batch)))
+    train_engine.backward(loss, last_micro_batch=True)
+    grad_bytes = accounting.local_grad_bytes(train_engine.ds_engine)
     assert grad_bytes == 4 * trainable
-    eng.ds_engine.step()
-    assert accounting.allocated_state(eng.ds_engine, grad_bytes) == {
+    train_engine.ds_engine.step()
+    assert accounting.allocated_state(train_engine.ds_engine, grad_bytes) == {
         "optimizer_state_elements": 2 * trainable, "optimizer_state_bytes": 8 * trainable,
         "gradient_bytes": grad_bytes}
 

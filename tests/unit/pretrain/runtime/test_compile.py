@@ -23,16 +23,16 @@ STEPS = 8
 def train_losses(compile_layers: bool) -> tuple[list[float], list[str]]:
     cfg = tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=STEPS, compile=compile_layers))
     torch.manual_seed(0)
-    eng = build_engine(cfg, grad_accum=1)
+    train_engine = build_engine(cfg, grad_accum=1)
     losses = []
     for step in range(STEPS):
-        eng.scheduler.step(1)
+        train_engine.scheduler.step(1)
         batch = tokens(step)
-        loss = eng.ds_engine(batch, (batch, torch.ones_like(batch)))  # the fused loss, compiled too
-        eng.backward(loss, last_micro_batch=True)
-        eng.ds_engine.step()
+        loss = train_engine.ds_engine(batch, (batch, torch.ones_like(batch)))  # the fused loss, compiled too
+        train_engine.backward(loss, last_micro_batch=True)
+        train_engine.ds_engine.step()
         losses.append(loss.item())
-    return losses, [name for name, _ in eng.named_parameters()]
+    return losses, [name for name, _ in train_engine.named_parameters()]
 
 
 @pytest.mark.slow  # inductor compiles the layer's kernels with the C++ compiler: tens of seconds

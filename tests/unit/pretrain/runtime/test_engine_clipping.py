@@ -21,19 +21,20 @@ def test_one_process_clipping_equals_deepspeeds(max_norm):
                                       vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0),
                     train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=10),
                     optimizer=OptimizerConfig(clip_grad=max_norm))
-    eng = build_engine(cfg, grad_accum=1)
+    train_engine = build_engine(cfg, grad_accum=1)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    eng.backward(lm_loss(eng.ds_engine(tokens), (tokens, torch.ones_like(tokens))), last_micro_batch=True)
-    params = [p for p in eng.module.parameters() if p.grad is not None]
+    loss = lm_loss(train_engine.ds_engine(tokens), (tokens, torch.ones_like(tokens)))
+    train_engine.backward(loss, last_micro_batch=True)
+    params = [p for p in train_engine.module.parameters() if p.grad is not None]
     grads = [p.grad.clone() for p in params]
 
     recorded = []
-    keep_fp32_clip_norm(eng.ds_engine, lambda norm, covers_local: recorded.append((norm, covers_local)))
-    eng.ds_engine.clip_fp32_gradients()  # what the engine calls before the optimizer step
+    keep_fp32_clip_norm(train_engine.ds_engine, lambda norm, covers_local: recorded.append((norm, covers_local)))
+    train_engine.ds_engine.clip_fp32_gradients()  # what the engine calls before the optimizer step
     ours = [p.grad.clone() for p in params]
     for p, g in zip(params, grads):
         p.grad.copy_(g)
-    deepspeed_norm = clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=eng.ds_engine.mpu)
+    deepspeed_norm = clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=train_engine.ds_engine.mpu)
 
     (norm, covers_local), = recorded
     assert covers_local

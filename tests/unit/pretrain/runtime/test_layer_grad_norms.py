@@ -21,20 +21,21 @@ pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gl
 
 
 def test_each_stage_norm_is_its_gradients_and_together_the_steps_norm():
-    eng = build_engine(tiny_run("ora_qr"), grad_accum=1)
+    train_engine = build_engine(tiny_run("ora_qr"), grad_accum=1)
     batch = tokens(0)
-    eng.backward(lm_loss(eng.ds_engine(batch), (batch, batch.new_ones(batch.shape))), last_micro_batch=True)
-    norms = layer_grad_norms(eng)
+    loss = lm_loss(train_engine.ds_engine(batch), (batch, batch.new_ones(batch.shape)))
+    train_engine.backward(loss, last_micro_batch=True)
+    norms = layer_grad_norms(train_engine)
 
     by_stage: dict[str, list[torch.Tensor]] = {}
-    for name, param in eng.named_parameters():
+    for name, param in train_engine.named_parameters():
         if param.requires_grad:
             by_stage.setdefault(name.split(".")[0], []).append(param.grad.flatten())
     # gpt2 ties the output head to the embedding: no stage of its own; frozen Q/K have no gradient.
     assert list(norms) == ["embedding", "layer1", "layer2", "final_norm"] == list(by_stage)
     for stage, grads in by_stage.items():
         assert norms[stage] == pytest.approx(torch.cat(grads).norm().item(), rel=1e-6)
-    step_norm = float(get_flattened_grad_norm(eng.trainable, mpu=MegatronMPU()))
+    step_norm = float(get_flattened_grad_norm(train_engine.trainable, mpu=MegatronMPU()))
     assert math.sqrt(sum(n * n for n in norms.values())) == pytest.approx(step_norm, rel=1e-6)
 
 

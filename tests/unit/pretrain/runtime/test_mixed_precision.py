@@ -20,14 +20,14 @@ def _losses(zero_stage: int, steps: int = 8) -> list[float]:
         train=TrainConfig(micro_batch_size=4, global_batch_size=4, steps=steps),
         deepspeed=DeepSpeedConfig(zero_stage=zero_stage, precision="bf16"))
     torch.manual_seed(0)
-    eng = build_engine(cfg, grad_accum=1)
+    train_engine = build_engine(cfg, grad_accum=1)
     losses = []
     for step in range(steps):
-        eng.scheduler.step(1)
+        train_engine.scheduler.step(1)
         tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
-        loss = lm_loss(eng.ds_engine(tokens), (tokens, torch.ones_like(tokens)))
-        eng.backward(loss, last_micro_batch=True)
-        eng.ds_engine.step()
+        loss = lm_loss(train_engine.ds_engine(tokens), (tokens, torch.ones_like(tokens)))
+        train_engine.backward(loss, last_micro_batch=True)
+        train_engine.ds_engine.step()
         losses.append(loss.item())
     return losses
 

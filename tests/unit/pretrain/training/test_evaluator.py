@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gl
 
 
 @pytest.fixture(scope="module")
-def eng():
+def train_engine():
     return build_engine(tiny_run("vanilla", train=TrainConfig(**BATCHES)), grad_accum=GRAD_ACCUM)
 
 
@@ -50,36 +50,36 @@ def evaluator(tmp_path, *, splits=("train", "valid", "test"), **train) -> Evalua
 def scripted(evaluator: Evaluator, monkeypatch, losses) -> None:
     """Make the evaluator's validation losses `losses`, in order."""
     pending = iter(losses)
-    monkeypatch.setattr(evaluator, "loss", lambda eng, split: next(pending))
+    monkeypatch.setattr(evaluator, "loss", lambda train_engine, split: next(pending))
 
 
 def records(tmp_path, split: str) -> list[EvalRecord]:
     return RunDir(tmp_path).read_records(split)
 
 
-def test_loss_is_the_mean_over_eval_iters_fixed_batches(eng, tmp_path):
+def test_loss_is_the_mean_over_eval_iters_fixed_batches(train_engine, tmp_path):
     """eval_iters global batches of the split, the same at every evaluation whatever the step;
     without a gradient, and the engine is left in training mode."""
     ev = evaluator(tmp_path)
     with torch.no_grad():
-        eng.ds_engine.eval()
-        expected = torch.stack([batch_loss(eng.ds_engine, ev.batches.micro_batch("valid", i, m))
+        train_engine.ds_engine.eval()
+        expected = torch.stack([batch_loss(train_engine.ds_engine, ev.batches.micro_batch("valid", i, m))
                                 for i in range(2) for m in range(GRAD_ACCUM)]).mean().item()
-    eng.ds_engine.train()
+    train_engine.ds_engine.train()
 
     for step in (3, 6):
-        assert ev.after_step(eng, TrainState(step=step)) is False
-    assert eng.ds_engine.training and all(p.grad is None for p in eng.module.parameters())
+        assert ev.after_step(train_engine, TrainState(step=step)) is False
+    assert train_engine.ds_engine.training and all(p.grad is None for p in train_engine.module.parameters())
     assert [r.loss for r in records(tmp_path, "valid")] == [pytest.approx(expected, rel=1e-6)] * 2
     assert ev.last_valid_loss == pytest.approx(expected, rel=1e-6)
-    assert ev.loss(eng, "test") != pytest.approx(expected)  # another split's batches
+    assert ev.loss(train_engine, "test") != pytest.approx(expected)  # another split's batches
 
 
-def test_validates_every_eval_interval_and_at_the_last_step(eng, tmp_path, monkeypatch):
+def test_validates_every_eval_interval_and_at_the_last_step(train_engine, tmp_path, monkeypatch):
     ev = evaluator(tmp_path, steps=10, eval_interval=3)
     scripted(ev, monkeypatch, [5.0, 4.0, 3.0, 2.0])
     for step in range(1, 11):
-        ev.after_step(eng, TrainState(step=step))
+        ev.after_step(train_engine, TrainState(step=step))
     assert [(r.step, r.loss) for r in records(tmp_path, "valid")] == [(3, 5.0), (6, 4.0), (9, 3.0), (10, 2.0)]
     assert ev.last_valid_loss == 2.0
 
@@ -96,36 +96,36 @@ PLATEAU = [
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
-def test_early_stopping_after_patience_evaluations_without_improvement(eng, tmp_path, monkeypatch, enabled):
+def test_early_stopping_after_patience_evaluations_without_improvement(train_engine, tmp_path, monkeypatch, enabled):
     ev = evaluator(tmp_path, eval_interval=1, steps=100,
                    early_stopping=EarlyStopping(enabled=enabled, patience=2, min_delta=0.1))
     scripted(ev, monkeypatch, [loss for loss, *_ in PLATEAU])
     state = TrainState()
     for step, (_, best, without, stop) in enumerate(PLATEAU, start=1):
         state.step = step
-        assert ev.after_step(eng, state) is (stop and enabled)
+        assert ev.after_step(train_engine, state) is (stop and enabled)
         assert (state.best_valid_loss, state.evals_without_improvement) == (best, without)
 
 
-def test_early_stopping_counts_continue_from_the_train_state(eng, tmp_path, monkeypatch):
+def test_early_stopping_counts_continue_from_the_train_state(train_engine, tmp_path, monkeypatch):
     """A resumed run's counters come from its checkpoint's train state."""
     ev = evaluator(tmp_path, eval_interval=1, early_stopping=EarlyStopping(enabled=True, patience=3, min_delta=0.0))
     scripted(ev, monkeypatch, [4.0])
-    assert ev.after_step(eng, TrainState(step=4, best_valid_loss=3.0, evals_without_improvement=2)) is True
+    assert ev.after_step(train_engine, TrainState(step=4, best_valid_loss=3.0, evals_without_improvement=2)) is True
 
 
-def test_test_loss_is_logged_at_the_step_it_is_given(eng, tmp_path):
+def test_test_loss_is_logged_at_the_step_it_is_given(train_engine, tmp_path):
     ev = evaluator(tmp_path)
-    loss = ev.test(eng, 10)
-    assert loss == ev.loss(eng, "test") and loss > 0
+    loss = ev.test(train_engine, 10)
+    assert loss == ev.loss(train_engine, "test") and loss > 0
     assert [(r.step, r.loss) for r in records(tmp_path, "test")] == [(10, loss)]
     assert records(tmp_path, "valid") == []
 
 
-def test_a_run_without_valid_or_test_split_evaluates_nothing(eng, tmp_path):
+def test_a_run_without_valid_or_test_split_evaluates_nothing(train_engine, tmp_path):
     ev = evaluator(tmp_path, splits=("train",))
     state = TrainState(step=3)
-    assert ev.after_step(eng, state) is False and ev.last_valid_loss is None
-    assert ev.test(eng, 10) is None
+    assert ev.after_step(train_engine, state) is False and ev.last_valid_loss is None
+    assert ev.test(train_engine, 10) is None
     assert records(tmp_path, "valid") == records(tmp_path, "test") == []
     assert state == dataclasses.replace(TrainState(), step=3)
