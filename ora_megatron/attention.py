@@ -191,7 +191,7 @@ class RandomQKVLinear(torch.nn.Module):
         _initialize_affine_weight_cpu(
             self.v_weight, config.num_query_groups * self.head_dim, d, self.v_weight.size(0), 0,
             init_method, rank=rank, world_size=size, params_dtype=config.params_dtype)
-        # ORA's frozen Q/K carry no bias (research plan); V keeps its bias.
+        # ORA's frozen Q/K carry no bias (the research plan, docs/research.md); V keeps its bias.
         self.v_bias = torch.nn.Parameter(torch.zeros(self.v_weight.size(0))) if bias else None
         self.q_weight = torch.nn.Parameter(torch.empty(self.heads * self.head_dim, d), requires_grad=False)
         self.k_weight = torch.nn.Parameter(torch.empty(self.groups * self.head_dim, d), requires_grad=False)

@@ -32,8 +32,8 @@ class FreezeStage:
         check(0.0 <= self.start < 1.0, f"{key}.start", "must be in [0, 1)")
 
 
-# The research plan's `partial_frozen` schedule: 50% of steps all Q/K frozen, 30% the first half
-# of the layers frozen, the last 20% everything trainable.
+# The `partial_frozen` schedule of the research plan (docs/research.md): 50% of steps all Q/K frozen,
+# 30% the first half of the layers frozen, the last 20% everything trainable.
 PARTIAL_FROZEN = [
     FreezeStage(0.0, "all", "all"),
     FreezeStage(0.5, "first_half", "first_half"),

@@ -121,7 +121,8 @@ class Summary:
 
 @dataclass
 class ExperimentRecord:
-    """The research plan's record of one sweep run: which arm and seed, what it ran, what came out.
+    """The research plan's record of one sweep run (docs/research.md): which arm and seed, what it ran,
+    what came out.
     Written by pretrain.research.sweep before the run starts (status "running") and again when it ends."""
 
     experiment_id: str  # "<spec>/<arm>/seed<seed>"

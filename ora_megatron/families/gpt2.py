@@ -1,5 +1,5 @@
 """GPT-2 style: learned absolute positions, LayerNorm, GELU MLP, biases, tied embeddings
-(the research plan's model)."""
+(the model of the research plan in docs/research.md)."""
 
 import torch.nn.functional as F
 

@@ -1,2 +1,2 @@
 """Benchmarks (scripts, not timed tests): arms side by side (compare_arms), the Hadamard transform's
-token chunks, nanoGPT's recipe beside ours. Dated runs: RESULTS.md."""
+token chunks, nanoGPT's recipe beside ours. Current figures and their commands: RESULTS.md."""

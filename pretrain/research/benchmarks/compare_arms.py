@@ -36,7 +36,7 @@ Per arm:
   for fp32 runs: `mfu_vs_bf16_dense_peak`).
 
 The block-dominated CPU comparison (its targets: ora ≤ 0.97, ora_hadamard ≤ 0.90 × vanilla step
-time; dated runs in RESULTS.md beside this file):
+time; the current figures in RESULTS.md beside this file):
 
     python -m pretrain.research.benchmarks.compare_arms --config tiny --arms vanilla,ora,ora_hadamard \\
         --steps 20 --warmup 3 \\

@@ -17,7 +17,7 @@ from pretrain.paths import preset_path
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 
-DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # the research plan's seeds for every comparison
+DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # the research plan's seeds (docs/research.md)
 SEED_KEYS = ("model.seed", "data.seed")
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LOG_NAME = "sweep.log"
