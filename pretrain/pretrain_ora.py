@@ -172,7 +172,7 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
 
     from ora_megatron.parallel import destroy_distributed, init_distributed
     from pretrain.checkpoint.checkpointer import CheckpointSaveFailed
-    from pretrain.runtime.engine import deepspeed_config
+    from pretrain.runtime.ds_config import deepspeed_config
     from pretrain.training.trainer import Trainer, TrainingStopped
 
     # Before the first CUDA call, for workers a launcher other than ours started (it set them already).

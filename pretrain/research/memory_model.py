@@ -45,7 +45,7 @@ from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
 from pretrain.config import RunConfig, data_parallel_size, for_world, validate_for_world
-from pretrain.runtime.engine import fp32_grad_accumulation
+from pretrain.runtime.ds_config import deepspeed_config, fp32_grad_accumulation
 from pretrain.runtime.optimizer import param_groups
 
 # DeepSpeed (and pretrain.runtime.engine / pretrain.runtime.freeze, which import it) is imported where it is used:
@@ -78,7 +78,7 @@ class Layout:
     micro_batch_size: int
     grad_accum: int
     activation_checkpointing: bool
-    fp32_grad_accumulation: bool = False  # ZeRO-2/3 gradient buffers in fp32 (engine.fp32_grad_accumulation)
+    fp32_grad_accumulation: bool = False  # ZeRO-2/3 gradient buffers in fp32 (ds_config.fp32_grad_accumulation)
 
     @property
     def dtype_bytes(self) -> int:
@@ -387,8 +387,6 @@ def layout_of(cfg: RunConfig, world_size: int) -> Layout:
 def zero_config(cfg: RunConfig, layout: Layout) -> DeepSpeedZeroConfig:
     """The run's `zero_optimization` section with DeepSpeed's defaults filled in."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    from pretrain.runtime.engine import deepspeed_config
 
     return DeepSpeedZeroConfig(**deepspeed_config(cfg, layout.grad_accum)["zero_optimization"])
 

@@ -1,4 +1,4 @@
-"""DeepSpeed engine for a run: model assembly, DeepSpeed JSON, and the `TrainEngine` around DeepSpeed's.
+"""DeepSpeed engine for a run: model assembly and the `TrainEngine` around DeepSpeed's (its JSON: ds_config.py).
 
 The model is the stage list of ora_megatron.stages, assembled as a plain module (pipeline size 1)
 or as `PipelinedGPT` (pipeline size > 1); both name parameters `{stage name}.{parameter}`. The loss
@@ -7,7 +7,6 @@ is pretrain.runtime.loss, the optimizer and LR schedule pretrain.runtime.optimiz
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -20,7 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import RunConfig
-from pretrain.paths import DS_CONFIG_DIR
+from pretrain.runtime.ds_config import deepspeed_config
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
 from pretrain.runtime.loss import lm_loss
 from pretrain.runtime.optimizer import build_optimizer, lr_scheduler
@@ -43,40 +42,6 @@ class MegatronMPU:
     get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
     get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
     get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
-
-
-def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
-    """Whether DeepSpeed sums the micro-batches' bf16 gradients in fp32 (rather than in bf16, 8 mantissa
-    bits). It offers that with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its bf16
-    optimizer, whose checkpoints are laid out differently."""
-    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
-
-
-def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
-    """ds_configs/zero{N}.json + ds_configs/{precision}.json + batch/clip from the run config."""
-    merged = {}
-    for name in (f"zero{cfg.deepspeed.zero_stage}.json", f"{cfg.deepspeed.precision}.json"):
-        merged.update(json.loads((DS_CONFIG_DIR / name).read_text()))
-    merged.update({
-        "train_batch_size": cfg.train.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": cfg.optimizer.clip_grad,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-        # Its samples/s timer (on by default) synchronizes the device at every forward and step;
-        # throughput is measured by the metrics logger instead.
-        "timers": {"throughput": {"enabled": False}},
-    })
-    zero = merged["zero_optimization"]
-    if zero["stage"] > 0 and torch.cuda.is_available():
-        # Reduce each gradient bucket on a side stream while backward computes the next one. (On
-        # the CPU accelerator DeepSpeed has no streams to overlap with.)
-        zero["overlap_comm"] = True
-    if fp32_grad_accumulation(cfg, grad_accum):
-        merged["data_types"] = {"grad_accum_dtype": "fp32"}
-    return merged
 
 
 class PipelinedGPT(PipelineModule):

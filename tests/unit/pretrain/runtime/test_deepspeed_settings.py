@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.config import DeepSpeedConfig, RunConfig
-from pretrain.runtime.engine import deepspeed_config
+from pretrain.runtime.ds_config import deepspeed_config
 
 
 def settings(zero_stage: int, precision: str = "fp32", grad_accum: int = 1) -> dict:
