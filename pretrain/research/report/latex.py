@@ -15,6 +15,7 @@ from typing import Optional
 
 from pretrain.research.report.tables import NA, Column, Table
 
+MARK_KEY = "t_test_p_holm"  # the p-value whose significance the report's tables mark
 MARKS = ((0.01, "**"), (0.05, "*"))  # (Holm-adjusted p below, mark), strictest first
 MARKS_LEGEND = r"$^{*}$: Holm-adjusted $p < 0.05$; $^{**}$: Holm-adjusted $p < 0.01$."
 # One number as the cell renderers write it (tables.py: fixed, significant, count).

@@ -79,6 +79,16 @@ def compare_paired(arm: dict[int, float], reference: dict[int, float]) -> Paired
     return PairedComparison(len(seeds), mean_difference, t_p, w_p, dz, "; ".join(notes), *t_interval(differences))
 
 
+HOLM_TESTS = ("t_test_p", "wilcoxon_p")  # the p-values of a PairedComparison, each Holm-corrected on its own
+
+
+def add_holm(rows: Sequence[dict]) -> None:
+    """Each row's `<test>_holm` for every test of HOLM_TESTS: Holm across the rows, test by test."""
+    for test in HOLM_TESTS:
+        for row, adjusted in zip(rows, holm([row[test] for row in rows])):
+            row[f"{test}_holm"] = adjusted
+
+
 def holm(p_values: Sequence[Optional[float]]) -> list[Optional[float]]:
     """Holm's step-down adjustment. The family is the p-values present (n/a ones stay n/a and do not
     count in m): the i-th smallest (from 0) is multiplied by m − i, capped at 1, and raised to the
