@@ -21,15 +21,16 @@ def valid_record(step: int, loss: float) -> EvalRecord:
 def write_run(root: Path, arm: str, seed: int, *, final_loss: float | None = None, status: str = "finished",
               exit_code: int | None = 0, log_tail: str = "", train: list[TrainRecord] = (),
               curve: list[tuple[int, float]] = (), frozen: int = 0, clip_grad: float = 1.0,
-              git_revision: str = "abc") -> RunDir:
+              git_revision: str = "abc", model: dict | None = None, params: int = 1000) -> RunDir:
     """One sweep run at root/<arm>/seed<seed>: experiment record, config, metrics and (when finished) summary.
-    Without a curve, the validation curve is 4.0 at step 10 down to final_loss at step 20."""
+    Without a curve, the validation curve is 4.0 at step 10 down to final_loss at step 20. `model`: the
+    config's model section (e.g. its shape); `params`: trainable + frozen parameters in the summary."""
     run_dir = RunDir(root / arm / f"seed{seed}")
     run_dir.write_experiment(ExperimentRecord(
         experiment_id=f"spec/{arm}/seed{seed}", method=arm, seed=seed, start_time="2026-01-01T00:00:00",
-        model_config={}, training_config={}, results={}, notes="", status=status, exit_code=exit_code,
+        model_config=dict(model or {}), training_config={}, results={}, notes="", status=status, exit_code=exit_code,
         log_tail=log_tail, config_hash="0" * 64, git_revision=git_revision))
-    run_dir.write_run_files({"optimizer": {"clip_grad": clip_grad}}, {}, {})
+    run_dir.write_run_files({"optimizer": {"clip_grad": clip_grad}, **({"model": model} if model else {})}, {}, {})
     curve = curve or ([(10, 4.0), (20, final_loss)] if final_loss is not None else [])
     metrics = run_dir.open_metrics()
     for record in list(train or [train_record(10), train_record(20)]) + [valid_record(s, v) for s, v in curve]:
@@ -39,7 +40,7 @@ def write_run(root: Path, arm: str, seed: int, *, final_loss: float | None = Non
         run_dir.write_summary(Summary(
             final_train_loss=3.0, final_valid_loss=curve[-1][1], final_test_loss=None, wall_time_s=10.0,
             steps=curve[-1][0], stopped_early=False, preempted=False, tokens_seen=0, skipped_steps=0,
-            trainable_params=1000 - frozen, frozen_params=frozen))
+            trainable_params=params - frozen, frozen_params=frozen))
     return run_dir
 
 

@@ -1,5 +1,6 @@
 """Builds REPORT_DIR: report.md, one CSV per table, report.json (settings + every table), the main
-tables as LaTeX (.tex), three PNGs and one per per-layer evaluation metric."""
+tables as LaTeX (.tex), three PNGs and one per per-layer evaluation metric; with a spec that has
+`gaps`, also the gap of each shape against x (gaps.py) as tables, LaTeX and gaps.png."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pretrain.research.report import gaps as shape_gaps
 from pretrain.research.report import plots
-from pretrain.research.report.latex import escape, write_latex
+from pretrain.research.report.latex import MARK_KEY, escape, write_latex
 from pretrain.research.report.runs import (
     Evaluation,
     ReportError,
@@ -22,8 +24,9 @@ from pretrain.research.report.runs import (
     measure_run,
     read_evaluations,
 )
-from pretrain.research.report.stats import PairedComparison, compare_paired, holm, spread
+from pretrain.research.report.stats import HOLM_TESTS, PairedComparison, add_holm, compare_paired, spread
 from pretrain.research.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
+from pretrain.research.sweep.spec import SweepError, SweepSpec, load_spec
 
 # Measures averaged over an arm's seeds (mean and sample std of the per-seed values).
 AVERAGED = ("final_valid_loss", "final_valid_ppl", "steps_to_target", "seconds_to_target", "aucc",
@@ -39,6 +42,8 @@ class Settings:
     target_source: str  # how the target was chosen
     last_k: int
     revisions: dict[str, int]  # git revision → runs in the statistics trained at it
+    spec: Optional[str] = None  # the sweep spec given with --spec
+    gaps: Optional[dict] = None  # its `gaps`
 
 
 @dataclass
@@ -55,8 +60,9 @@ def first_line(text: str) -> str:
     return next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
 
 
-def sort_sweep(runs: Sequence[SweepRun], reference: str) -> Sweep:
-    arms = sorted({r.arm for r in runs})
+def sort_sweep(runs: Sequence[SweepRun], reference: str, spec_arms: Sequence[str] = ()) -> Sweep:
+    """`spec_arms`: the spec's arms, listed (every seed missing) when they have no run at all."""
+    arms = sorted({r.arm for r in runs} | set(spec_arms))
     if reference not in arms:
         raise ReportError(f"reference arm {reference!r} has no run; arms found: {', '.join(arms)}")
     arms = [reference] + [a for a in arms if a != reference]
@@ -118,17 +124,11 @@ def arm_row(arm: str, measures: Sequence[RunMeasures]) -> dict:
     return row
 
 
-HOLM_TESTS = ("t_test_p", "wilcoxon_p")
-MARK_KEY = "t_test_p_holm"  # the p-value whose significance the LaTeX tables mark
-
-
 def paired_rows(arms: Sequence[str], values: dict[str, dict[int, float]]) -> list[dict]:
     """Each non-reference arm against arms[0] on one measure (arm → seed → value), Holm across the
     arms per test."""
     rows = [{"arm": arm, **asdict(compare_paired(values[arm], values[arms[0]]))} for arm in arms[1:]]
-    for test in HOLM_TESTS:
-        for row, adjusted in zip(rows, holm([row[test] for row in rows])):
-            row[f"{test}_holm"] = adjusted
+    add_holm(rows)
     return rows
 
 
@@ -402,16 +402,18 @@ def evaluations_markdown(sweep: Sweep, evaluations: dict[RunKey, dict[str, Evalu
             f"the seeds with a value; missing: runs without one (their seeds).\n\n{table.markdown()}{plots_text}")
 
 
-def markdown(settings: Settings, sweep: Sweep, tables: dict[str, Table], evaluations_text: str) -> str:
+def markdown(settings: Settings, sweep: Sweep, tables: dict[str, Table], evaluations_text: str,
+             gaps_text: str = "", gaps_definitions: str = "") -> str:
     inputs = ", ".join(f"`{p}`" for p in settings.inputs)
     target = NA if settings.target_loss is None else f"{settings.target_loss:.4f}"
     not_used = tables["not_used"].markdown() if tables["not_used"].rows else "None."
+    spec = f"Spec: `{settings.spec}`.\n" if settings.spec else ""
     return f"""\
 # Sweep report
 
 Inputs: {inputs}. Runs found: {sweep.found}, in the statistics: {len(sweep.used)}; \
 listed as not in the statistics: {len(sweep.not_used)} (missing seeds included).
-Reference arm: `{settings.reference}`. Target validation loss: {target} ({settings.target_source}). \
+{spec}Reference arm: `{settings.reference}`. Target validation loss: {target} ({settings.target_source}). \
 Last k: {settings.last_k}.
 {revisions_text(settings.revisions)}
 
@@ -419,7 +421,7 @@ Last k: {settings.last_k}.
 
 {tables["arms"].markdown()}
 
-## Paired comparison against `{settings.reference}` (final validation loss)
+{gaps_text}## Paired comparison against `{settings.reference}` (final validation loss)
 
 {tables["comparison"].markdown()}
 
@@ -453,21 +455,50 @@ Last k: {settings.last_k}.
 
 ## Definitions
 
-{definitions(settings)}"""
+{definitions(settings)}{gaps_definitions}"""
 
 
-def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
-                 target_loss: Optional[float] = None, last_k: int = 5) -> Path:
-    """Write the report of the sweeps under `inputs` into `out`; returns report.md's path."""
+def read_spec(path: Path) -> SweepSpec:
+    """The sweep spec given with --spec; an invalid one is a ReportError naming its file and key."""
+    try:
+        return load_spec(path).body
+    except SweepError as e:
+        raise ReportError(f"--spec {e}") from None
+
+
+def gaps_part(spec: SweepSpec, sweep: Sweep, measures: Sequence[RunMeasures], out: Path
+              ) -> tuple[dict[str, Table], str, str]:
+    """The spec's gaps: their tables (CSV, JSON, LaTeX and gaps.png written here), the report's
+    section and its definitions."""
+    gaps = spec.gaps
+    rows = shape_gaps.gap_rows(gaps, gaps.pairs(spec.arms), sweep.used, sweep.not_used, measures)
+    trend = shape_gaps.trend_of(rows)
+    trend_row = shape_gaps.trend_row(trend, gaps)
+    tables = {t.name: t for t in (shape_gaps.gaps_table(rows, gaps), shape_gaps.trend_table(trend_row),
+                                  shape_gaps.seeds_table(shape_gaps.seed_rows(rows, measures)))}
+    for name, caption in shape_gaps.captions(gaps, escape).items():
+        write_latex(tables[name], out, caption)
+    plots.plot_gaps(rows, trend, gaps.x, f"{gaps.arm} − {gaps.reference}", out / plots.GAPS)
+    return tables, shape_gaps.section(gaps, tables, trend_row, plots.GAPS), shape_gaps.definitions(gaps)
+
+
+def build_report(inputs: Sequence[Path], out: Path, reference: Optional[str] = None,
+                 target_loss: Optional[float] = None, last_k: int = 5, spec: Optional[Path] = None) -> Path:
+    """Write the report of the sweeps under `inputs` into `out`; returns report.md's path. `spec`: the
+    sweep's spec, whose reference is the default one and whose `gaps` adds the gap by shape; without
+    it (and without `reference`) the reference is `vanilla`."""
     if last_k < 2:
         raise ReportError(f"--last-k must be at least 2 (a variance), got {last_k}")
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} is a file: give a directory for the report")
+    body = read_spec(spec) if spec is not None else None
+    reference = reference or (body.reference if body else "vanilla")
     runs = discover_runs(inputs)
-    sweep = sort_sweep(runs, reference)
+    sweep = sort_sweep(runs, reference, list(body.arms) if body else ())
     reference_final = {r.seed: r.run_dir.read_summary().final_valid_loss for r in sweep.used if r.arm == reference}
     target, source = choose_target(target_loss, reference, reference_final)
-    settings = Settings([str(p) for p in inputs], reference, target, source, last_k, revisions_of(sweep.used))
+    settings = Settings([str(p) for p in inputs], reference, target, source, last_k, revisions_of(sweep.used),
+                        str(spec) if spec else None, asdict(body.gaps) if body and body.gaps else None)
     measures = [measure_run(run, target, last_k) for run in sweep.used]
     evaluations = {(run.arm, run.seed): read_evaluations(run.run_dir) for run in sweep.used}
     by_layer = per_layer_runs(sweep.arms, sweep.used, evaluations)
@@ -482,6 +513,10 @@ def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
                                   layers_table(layer_rows(by_layer)), runs_table(measures),
                                   not_used_table(sweep.not_used))}
     out.mkdir(parents=True, exist_ok=True)
+    gaps_text = gaps_definitions = ""
+    if body is not None and body.gaps is not None:
+        gap_tables, gaps_text, gaps_definitions = gaps_part(body, sweep, measures, out)
+        tables.update(gap_tables)
     for table in tables.values():
         table.write_csv(out)
     for name, caption in latex_captions(reference).items():
@@ -496,5 +531,6 @@ def build_report(inputs: Sequence[Path], out: Path, reference: str = "vanilla",
         plots.plot_by_layer(sweep.arms, by_arm, f"{name} {metric}", out / layer_plots[(name, metric)])
     report = out / "report.md"
     report.write_text(markdown(settings, sweep, tables,
-                               evaluations_markdown(sweep, evaluations, tables["evaluations"], layer_plots)))
+                               evaluations_markdown(sweep, evaluations, tables["evaluations"], layer_plots),
+                               gaps_text, gaps_definitions))
     return report

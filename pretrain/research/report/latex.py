@@ -1,6 +1,6 @@
 """A report Table as a LaTeX table for papers: booktabs rules (no vertical ones), the cells the
-Markdown shows, numbers in math mode (mean ± std as `$1.234 \\pm 0.012$`, 1.9e-06 as
-`$1.9 \\times 10^{-6}$`), text with LaTeX's special characters escaped.
+Markdown shows, numbers in math mode (mean ± std as `$1.234 \\pm 0.012$`, an interval as
+`$[0.010, 0.020]$`, 1.9e-06 as `$1.9 \\times 10^{-6}$`), text with LaTeX's special characters escaped.
 
 A column with a `mark` key gets `^{*}` where the row's Holm-adjusted p-value under that key is
 below 0.05 and `^{**}` below 0.01; the caption ends with that legend. The file needs
@@ -15,11 +15,13 @@ from typing import Optional
 
 from pretrain.research.report.tables import NA, Column, Table
 
+MARK_KEY = "t_test_p_holm"  # the p-value whose significance the report's tables mark
 MARKS = ((0.01, "**"), (0.05, "*"))  # (Holm-adjusted p below, mark), strictest first
 MARKS_LEGEND = r"$^{*}$: Holm-adjusted $p < 0.05$; $^{**}$: Holm-adjusted $p < 0.01$."
 # One number as the cell renderers write it (tables.py: fixed, significant, count).
 NUMBER = re.compile(r"(?P<mantissa>-?(\d[\d,]*(\.\d*)?|\.\d+))(e(?P<exponent>[-+]?\d+))?")
 MEAN_STD = " ± "
+INTERVAL = re.compile(r"\[(?P<low>\S+), (?P<high>\S+)\]")  # tables.interval's "[low, high]"
 
 SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
            "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
@@ -49,11 +51,16 @@ def _math_number(text: str) -> Optional[str]:
 
 
 def cell(column: Column, row: dict) -> str:
-    """The column's cell of the row: its rendered text in math mode when it is a number or a
-    mean ± std, escaped text otherwise; marked when the row's p-value under column.mark is significant
+    """The column's cell of the row: its rendered text in math mode when it is a number, a
+    mean ± std or an interval, escaped text otherwise; marked when the row's p-value under column.mark is significant
     (an n/a cell never is)."""
     text = column.render(*(row[key] for key in column.keys))
     mark = significance_mark(row.get(column.mark)) if column.mark and text != NA else ""
+    interval = INTERVAL.fullmatch(text)
+    if interval:
+        low, high = _math_number(interval["low"]), _math_number(interval["high"])
+        if low is not None and high is not None:
+            return f"$[{low}, {high}]" + (f"^{{{mark}}}" if mark else "") + "$"
     parts = [_math_number(part) for part in text.split(MEAN_STD)]
     if text != NA and all(part is not None for part in parts):
         return "$" + r" \pm ".join(parts) + (f"^{{{mark}}}" if mark else "") + "$"

@@ -1,5 +1,5 @@
 """The report's PNGs, drawn on matplotlib Figures (Agg canvas, no pyplot state): validation curves,
-final loss, speed and memory, and each per-layer evaluation metric by layer.
+final loss, speed and memory, each per-layer evaluation metric by layer, and a spec's gaps against x.
 
 Every arm appears on every per-arm plot's axis, finished seeds or not; an arm without one has no
 mark. An arm without values has no line on a curve plot.
@@ -7,20 +7,22 @@ mark. An arm without values has no line on a curve plot.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, NullLocator
 
 from pretrain.research.report.runs import RunMeasures
-from pretrain.research.report.stats import spread
+from pretrain.research.report.stats import Trend, spread
 
 VALID_CURVES = "valid_loss_curves.png"
 FINAL_LOSS = "final_valid_loss.png"
 SPEED_MEMORY = "speed_memory.png"
+GAPS = "gaps.png"
 
 
 def _save(figure: Figure, path: Path) -> Path:
@@ -121,4 +123,49 @@ def plot_speed_memory(arms: Sequence[str], measures: Sequence[RunMeasures], path
             axes.bar([x], [summary.mean], yerr=[summary.std or 0.0], capsize=5, color=color)
         _arm_axis(axes, arms)
         axes.set(ylabel=label, title=label)
+    return _save(figure, path)
+
+
+def _x_label(value: float) -> str:
+    """A tick label: the value, in thousands (k) or millions (M) when it is large."""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= 10 * scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:g}"
+
+
+def plot_gaps(rows: Sequence[dict], trend: Trend, x_name: str, difference: str, path: Path) -> Path:
+    """Per shape with an x (rows of report.gaps.gap_rows): the mean gap with its 95% interval as error
+    bars, each seed's gap as a grey dot (one seed's dots joined by a thin line, seeds shifted sideways
+    a little so they do not hide each other), the trend line a + b · log2 x, and a line at 0. x is on a
+    log2 axis with a tick at each shape's x, labelled with its value and the shape."""
+    figure = Figure(figsize=(8, 5))
+    axes = figure.subplots()
+    shown = [row for row in rows if row["x"] is not None]
+    seeds = sorted({seed for row in shown for seed in row["seed_gaps"]})
+    # Seed i of k shifted by (i − (k−1)/2) · 0.04 doublings: visible, and far from the next shape.
+    shift = {seed: 2 ** ((i - (len(seeds) - 1) / 2) * 0.04) for i, seed in enumerate(seeds)}
+    for seed in seeds:
+        points = [(row["x"] * shift[seed], row["seed_gaps"][seed]) for row in shown if seed in row["seed_gaps"]]
+        axes.plot(*zip(*points), color="0.6", linewidth=0.6, marker="o", markersize=3.5, zorder=2)
+    for row in shown:
+        if row["mean_difference"] is None:
+            continue
+        mean, low, high = row["mean_difference"], row["ci_low"], row["ci_high"]
+        error = [[mean - low], [high - mean]] if low is not None else None
+        axes.errorbar([row["x"]], [mean], yerr=error, fmt="o", color="C0", capsize=6, zorder=3)
+    axes.axhline(0.0, color="black", linewidth=0.8, zorder=1)
+    if trend.slope is not None and shown:
+        xs = [min(row["x"] for row in shown), max(row["x"] for row in shown)]
+        interval = ("" if trend.ci_low is None
+                    else f", 95% CI [{trend.ci_low:+.3g}, {trend.ci_high:+.3g}]")
+        axes.plot(xs, [trend.intercept + trend.slope * math.log2(x) for x in xs], linestyle="--", color="C3",
+                  zorder=2, label=f"trend: {trend.slope:+.3g} per doubling{interval}")
+        axes.legend()
+    axes.set_xscale("log", base=2)
+    if shown:
+        axes.set_xticks([row["x"] for row in shown], [f"{_x_label(row['x'])}\n{row['shape']}" for row in shown])
+        axes.xaxis.set_minor_locator(NullLocator())
+    axes.set(xlabel=f"{x_name} (log2 scale)", ylabel=f"gap: {difference} (final valid loss)",
+             title=f"{difference} by {x_name}: mean ± 95% t interval, seeds (grey)")
     return _save(figure, path)

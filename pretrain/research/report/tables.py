@@ -23,6 +23,7 @@ class Column:
     render: Callable[..., str]  # the row's values under `keys` → the cell
     mark: Optional[str] = None  # key of the row's Holm-adjusted p-value: LaTeX marks the cell when significant
     latex: bool = True  # shown in the LaTeX table (the paper's selection of columns)
+    markdown: bool = True  # shown in the Markdown table (always in the CSV and JSON)
 
 
 @dataclass
@@ -41,11 +42,13 @@ class Table:
         return [{key: row[key] for key in self.keys} for row in self.rows]
 
     def cells(self) -> list[list[str]]:
-        return [[column.render(*(row[key] for key in column.keys)) for column in self.columns] for row in self.rows]
+        """The Markdown table's cells."""
+        columns = [column for column in self.columns if column.markdown]
+        return [[column.render(*(row[key] for key in column.keys)) for column in columns] for row in self.rows]
 
     def markdown(self) -> str:
-        lines = ["| " + " | ".join(c.header for c in self.columns) + " |",
-                 "|" + "---|" * len(self.columns)]
+        columns = [column for column in self.columns if column.markdown]
+        lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(escape_cell(cell) for cell in row) + " |" for row in self.cells()]
         return "\n".join(lines)
 
@@ -77,6 +80,11 @@ def significant(digits: int) -> Callable[[Optional[float]], str]:
 def mean_std(number: Callable[[Optional[float]], str]) -> Callable[[Optional[float], Optional[float]], str]:
     """"mean ± std", each rendered by `number`; "± n/a" with one seed, "n/a" with none."""
     return lambda mean, std: NA if mean is None else f"{number(mean)} ± {number(std)}"
+
+
+def interval(number: Callable[[Optional[float]], str]) -> Callable[[Optional[float], Optional[float]], str]:
+    """"[low, high]", each rendered by `number`; "n/a" without an interval."""
+    return lambda low, high: NA if low is None or high is None else f"[{number(low)}, {number(high)}]"
 
 
 def plain(value) -> str:

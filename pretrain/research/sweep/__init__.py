@@ -17,6 +17,7 @@ A spec (pretrain/experiments/*.yaml; a top-level `base: other.yaml` inherits as 
       vanilla: {description: trainable Q/K/V, set: {model.attention.type: vanilla}}
       wide: {set: {...}, scales: {cpu: {model.hidden_size: 256}, paper: {model.hidden_size: 1024}}}
     evaluations: [attention, probe]   # optional: run on every run after it trains, in this order
+    gaps: {arm: ora, reference: vanilla, x: head_dim}   # optional, for the report (below)
 
 Each run is the config with, in this order, the scale's `set`, the arm's `set`, the arm's own
 overrides at that scale, the command line's `--set`, then the seed, as `--set key=value` arguments
@@ -25,6 +26,15 @@ the model build's seeding the dropout RNG) and `data.seed` (megatron-core's shuf
 the data order follows the seed too); arms of one seed see the same data in the same order, which
 is what makes them paired samples. Every expanded config is validated for its process count
 before anything starts; an error names the spec, the arm and the key, and the sweep exits 2.
+
+`gaps` is read by the report (`python -m pretrain.research.report OUT --spec SPEC`), not by the sweep:
+the pairs of arms whose difference, paired by seed, is the question, and the quantity the pairs'
+shapes vary. Every arm named `<shape>_<arm>` whose twin `<shape>_<reference>` is an arm too is one
+shape (heads2_ora and heads2_vanilla: shape heads2); arms of neither form are left out of the gaps.
+`x` is one of head_dim (d_k: model.kv_channels, or hidden_size / num_attention_heads), parameters
+(the summary's trainable + frozen), seq_length, num_layers, each read from the runs (their config
+or summary), so one spec reads alike at every scale. A spec error names the key: an x not in that
+list (`gaps.x`), equal suffixes (`gaps.reference`), or no shape with both arms (`gaps`).
 
 Run dirs are OUT/<arm>/seed<seed>, ordered seed-major (all arms of the first seed first, so the
 first finished runs already form a paired comparison). Each holds the run's own files, `sweep.log`

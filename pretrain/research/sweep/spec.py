@@ -25,6 +25,13 @@ LOG_NAME = "sweep.log"
 # writes RUN/evaluations/<name>.json of the run dir given with --run-dir. The downstream tasks read
 # a Hugging Face export, which a sweep does not make: they are run by hand.
 EVALUATIONS = {"attention": ["-m", "pretrain.research.analyze"], "probe": ["-m", "pretrain.research.probes"]}
+# The quantities a spec's `gaps` may put on x, each read from every run (pretrain.research.report.gaps).
+GAP_QUANTITIES = {
+    "head_dim": "d_k per head: model.kv_channels, or hidden_size / num_attention_heads (the run's config)",
+    "parameters": "the model's parameters: trainable + frozen (the run's summary.json)",
+    "seq_length": "model.seq_length (the run's config)",
+    "num_layers": "model.num_layers (the run's config)",
+}
 
 
 class SweepError(Exception):
@@ -56,6 +63,40 @@ class ArmSpec:
 
 
 @dataclass
+class GapPair:
+    shape: str
+    arm: str  # <shape>_<gaps.arm>
+    reference: str  # <shape>_<gaps.reference>
+
+
+@dataclass
+class GapsSpec:
+    """The question "how does arm − reference move with shape": arms named `<shape>_<arm>` and
+    `<shape>_<reference>` are one shape's pair, and `x` is the quantity the shapes vary."""
+
+    arm: str = ""
+    """Suffix of the arms whose loss is the minuend (e.g. ora: heads2_ora, heads4_ora, ...)."""
+    reference: str = ""
+    """Suffix of their twins (e.g. vanilla: heads2_vanilla, ...)."""
+    x: str = ""
+    """What the shapes vary, read from each run: one of GAP_QUANTITIES."""
+
+    def validate(self, key: str) -> None:
+        for name in ("arm", "reference"):
+            check(bool(ARM_NAME.fullmatch(getattr(self, name))), f"{key}.{name}",
+                  "name the suffix after `<shape>_` of the arms (letters, digits, '_', '.', '-')")
+        check(self.arm != self.reference, f"{key}.reference", f"must differ from arm ({self.arm!r})")
+        check(self.x in GAP_QUANTITIES, f"{key}.x", f"{self.x!r} is not one of: {', '.join(GAP_QUANTITIES)}")
+
+    def pairs(self, arms) -> list[GapPair]:
+        """Every shape with both arms, in the order of `arms`: `<shape>_<arm>` and `<shape>_<reference>`."""
+        suffix = f"_{self.arm}"
+        shapes = [name[:-len(suffix)] for name in arms if name.endswith(suffix) and len(name) > len(suffix)]
+        return [GapPair(shape, f"{shape}{suffix}", f"{shape}_{self.reference}") for shape in shapes
+                if f"{shape}_{self.reference}" in arms]
+
+
+@dataclass
 class SweepSpec:
     config: str = ""
     """Run config: a preset name (pretrain/configs/NAME.yaml) or a path relative to the spec file."""
@@ -67,6 +108,8 @@ class SweepSpec:
     arms: dict[str, ArmSpec] = field(default_factory=dict)
     evaluations: list[str] = field(default_factory=list)
     """Post-training evaluations of every run, in order, after it trains (attention, probe)."""
+    gaps: Optional[GapsSpec] = None
+    """The report's gap of each shape's arm against its twin, against x (optional)."""
 
     def validate(self, key: str) -> None:
         check(bool(self.config), "config", "name the run config (a preset name or a path)")
@@ -82,6 +125,9 @@ class SweepSpec:
             check(name in EVALUATIONS, "evaluations", f"unknown evaluation {name!r} (a sweep runs "
                   f"{', '.join(EVALUATIONS)}; downstream reads a Hugging Face export and runs by hand)")
         check(len(set(self.evaluations)) == len(self.evaluations), "evaluations", "each evaluation at most once")
+        if self.gaps is not None:
+            check(bool(self.gaps.pairs(self.arms)), "gaps", f"no shape has both arms <shape>_{self.gaps.arm} and "
+                  f"<shape>_{self.gaps.reference} (the arms: {', '.join(self.arms)})")
 
 
 @dataclass

@@ -139,3 +139,25 @@ def test_hadamard_chunks_benchmark_times_every_chunk_size(tmp_path, capsys):
     assert all(r["forward_ms"] > 0 and r["input_grad_ms"] > 0 for r in report["rows"])
     assert report["default_chunk_tokens"] > 10 and not any(r["default"] for r in report["rows"])
     assert "input grad ms" in capsys.readouterr().out
+
+
+def test_orthogonal_draws_benchmark_times_every_method_and_measures_orthogonality(tmp_path, capsys):
+    """pretrain/research/benchmarks/orthogonal_draws.py on the tiny preset (2 layers, d 64, 4 heads of 16)."""
+    import torch
+
+    from pretrain.research.benchmarks.orthogonal_draws import main as draws_main
+    from pretrain.research.benchmarks.orthogonal_draws import orthogonality_error
+
+    # two heads of d_k 2 in d 3: head 0 orthonormal, head 1 twice a unit vector and a unit one (error 4 − 1)
+    weight = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 2], [1, 0, 0]])
+    assert orthogonality_error(weight, 2) == 3.0
+    out, table = tmp_path / "draws.json", tmp_path / "draws.md"
+    assert draws_main(["--presets", "tiny", "--repeats", "2", "--layers", "1", "--json", str(out),
+                       "--markdown", str(table)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["qr", "svd", "householder", "cayley", "hadamard"]
+    for row in rows:
+        assert (row["layers"], row["d_model"], row["heads"], row["d_k"], row["layers_drawn"]) == (2, 64, 4, 16, 1)
+        assert len(row["draw_s_all"]) == 2 and row["model_draw_s"] == pytest.approx(2 * row["draw_s_median"])
+        assert row["orthogonality_error"] < 1e-5
+    assert "1 of 2 (scaled)" in table.read_text() and "| tiny | 2, 64, 4, 16 | cayley |" in capsys.readouterr().out

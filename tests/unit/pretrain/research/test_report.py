@@ -10,12 +10,14 @@ import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 from scipy import stats
 from sweep_runs import train_record, valid_record, write_evaluation, write_run
 
 from pretrain.research.report import plots
 from pretrain.research.report.__main__ import main
 from pretrain.research.report.build import build_report, layer_plot_name, revisions_text
+from pretrain.research.report.gaps import run_x, verdict
 from pretrain.research.report.latex import write_latex
 from pretrain.research.report.runs import (
     ReportError,
@@ -28,8 +30,9 @@ from pretrain.research.report.runs import (
     steps_to_target,
     training_seconds_until,
 )
-from pretrain.research.report.stats import compare_paired, holm
+from pretrain.research.report.stats import compare_paired, holm, log_trend
 from pretrain.research.report.tables import Column, Table, fixed, mean_std, plain
+from pretrain.research.sweep.spec import GapsSpec
 from pretrain.run_dir import RunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -416,3 +419,171 @@ def test_command_line_and_its_errors(sweep, tmp_path, capsys):
         main([str(sweep), "--out", str(tmp_path / "other"), "--reference", "vanila"])
     assert exit_info.value.code == 2
     assert "reference arm 'vanila' has no run" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- gaps: arm − twin by shape
+
+# Shapes of a heads sweep at d 128 (head_dim 64, 32, 16), both arms on seeds 1-5. Each seed's gap
+# (ora − vanilla) is exactly linear in log2 head_dim: c_s + b_s · (log2 x − 5), so every seed's
+# fitted slope is b_s. heads2_ora seed 5 failed; heads16_ora is a spec arm without a twin or a run.
+GAP_SEEDS = (1, 2, 3, 4, 5)
+HEADS = {"heads8": 8, "heads4": 4, "heads2": 2}  # by head_dim 16, 32, 64
+GAP_C = {1: 0.055, 2: 0.07, 3: 0.035, 4: 0.065, 5: 0.04}  # no two gaps of a shape tie
+GAP_B = {1: -0.05, 2: -0.04, 3: -0.06, 4: -0.05, 5: -0.045}
+
+
+def head_dim(shape: str) -> int:
+    return 128 // HEADS[shape]
+
+
+def known_gap(seed: int, shape: str) -> float:
+    return GAP_C[seed] + GAP_B[seed] * (math.log2(head_dim(shape)) - 5)
+
+
+def vanilla_loss(seed: int, shape: str) -> float:
+    return 3.0 + 0.1 * HEADS[shape] + 0.01 * (seed * HEADS[shape] % 7)  # shapes differ beyond an offset
+
+
+def ora_loss(seed: int, shape: str) -> float:
+    return vanilla_loss(seed, shape) + known_gap(seed, shape)
+
+
+def write_gaps_spec(directory: Path, gaps: dict) -> Path:
+    arms = {f"{shape}_{kind}": {"set": {"model.attention.type": kind}}
+            for shape in HEADS for kind in ("ora", "vanilla")}
+    spec = {"config": "small", "reference": "heads8_vanilla", "seeds": list(GAP_SEEDS), "scales": {"cpu": {}},
+            "arms": {**arms, "heads16_ora": {"set": {"model.attention.type": "ora"}}}, "gaps": gaps}
+    path = directory / "heads.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gap_sweep(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("gap_sweep")
+    for shape, heads in HEADS.items():
+        model = {"hidden_size": 128, "num_attention_heads": heads, "ffn_hidden_size": 512}
+        for seed in GAP_SEEDS:
+            write_run(root, f"{shape}_vanilla", seed, final_loss=vanilla_loss(seed, shape), model=model)
+            if (shape, seed) == ("heads2", 5):
+                write_run(root, "heads2_ora", seed, status="failed", exit_code=3, model=model,
+                          log_tail="RuntimeError: 5 consecutive steps had non-finite loss")
+            else:
+                write_run(root, f"{shape}_ora", seed, final_loss=ora_loss(seed, shape), model=model, frozen=100)
+    return root, write_gaps_spec(root.parent, {"arm": "ora", "reference": "vanilla", "x": "head_dim"})
+
+
+@pytest.fixture(scope="module")
+def gap_report(gap_sweep, tmp_path_factory) -> Path:
+    root, spec = gap_sweep
+    out = tmp_path_factory.mktemp("gap_report")
+    build_report([root], out, spec=spec, last_k=2)
+    return out
+
+
+def test_gap_per_shape_mean_interval_and_tests(gap_report):
+    rows = {row["shape"]: row for row in report_json(gap_report)["tables"]["gaps"]}
+    assert [row["shape"] for row in report_json(gap_report)["tables"]["gaps"]] == ["heads8", "heads4", "heads2"]
+    for shape, row in rows.items():
+        seeds = [s for s in GAP_SEEDS if (shape, s) != ("heads2", 5)]
+        gaps = [ora_loss(s, shape) - vanilla_loss(s, shape) for s in seeds]  # known_gap, up to rounding
+        assert (row["x"], row["pairs"]) == (head_dim(shape), len(seeds))
+        assert row["mean_difference"] == pytest.approx(statistics.fmean(gaps))
+        low, high = stats.t.interval(0.95, len(gaps) - 1, loc=statistics.fmean(gaps), scale=stats.sem(gaps))
+        assert (row["ci_low"], row["ci_high"]) == (pytest.approx(low), pytest.approx(high))
+        assert row["t_test_p"] == pytest.approx(stats.ttest_1samp(gaps, 0.0).pvalue)
+        assert row["wilcoxon_p"] == pytest.approx(stats.wilcoxon(gaps).pvalue)
+        assert row["worse"] == sum(g > 0 for g in gaps)
+    # heads2: gaps 0.005, 0.03, −0.025, 0.015 (seed 3 better with ora); seed 5 failed, named
+    assert rows["heads2"]["worse_seeds"] == "1, 2, 4"
+    assert rows["heads2"]["unpaired"] == "5: heads2_ora failed (exit 3)"
+    assert rows["heads8"]["unpaired"] == rows["heads8"]["note"] == ""
+
+
+def test_gap_holm_across_shapes(gap_report):
+    rows = report_json(gap_report)["tables"]["gaps"]
+    for test in ("t_test_p", "wilcoxon_p"):
+        raw = [row[test] for row in rows]
+        order = sorted(range(3), key=lambda i: raw[i])
+        expected, running = [0.0] * 3, 0.0
+        for rank, i in enumerate(order):  # step-down: × 3, × 2, × 1, kept monotone, capped at 1
+            running = max(running, min(1.0, (3 - rank) * raw[i]))
+            expected[i] = running
+        assert [row[f"{test}_holm"] for row in rows] == pytest.approx(expected)
+    # the smallest raw t-test p is heads8's (all gaps near 0.1), multiplied by the family's 3
+    assert rows[0]["t_test_p_holm"] == pytest.approx(3 * rows[0]["t_test_p"])
+
+
+def test_gap_trend_is_the_mean_of_the_seeds_slopes_on_log2_x(gap_report):
+    trend = report_json(gap_report)["tables"]["gap_trend"][0]
+    slopes = list(GAP_B.values())  # seed 5 has two shapes left: its slope is still b_5
+    assert trend["seeds"] == 5 and trend["slope"] == pytest.approx(statistics.fmean(slopes))
+    half = stats.t.ppf(0.975, 4) * statistics.stdev(slopes) / math.sqrt(5)
+    assert trend["ci_low"] == pytest.approx(statistics.fmean(slopes) - half)
+    assert trend["ci_high"] == pytest.approx(statistics.fmean(slopes) + half)
+    assert trend["p"] == pytest.approx(stats.ttest_1samp(slopes, 0.0).pvalue)
+    assert trend["intercept"] == pytest.approx(statistics.fmean(GAP_C[s] - 5 * GAP_B[s] for s in GAP_SEEDS))
+    assert trend["verdict"].startswith("The gap (ora − vanilla) falls with head_dim")
+
+
+def test_log_trend_recovers_a_known_law_and_says_when_seeds_cannot_tell():
+    # gap = 0.3 − 0.02 · log2 x on every seed, plus a seed offset: every slope is −0.02
+    xs = [2.0**20, 2.0**21, 2.0**22, 2.0**23]
+    exact = log_trend({seed: [(x, 0.3 + 0.01 * seed - 0.02 * math.log2(x)) for x in xs] for seed in range(5)})
+    assert exact.slope == pytest.approx(-0.02) and exact.intercept == pytest.approx(0.32)
+    assert exact.ci_low is None and "zero variance" in exact.note
+    # slopes −0.06, −0.04, ..., 0.02 (mean −0.02, std 0.0316): the interval holds 0, and the verdict says so
+    spread_out = log_trend({seed: [(x, (-0.02 + 0.02 * (seed - 2)) * math.log2(x)) for x in xs] for seed in range(5)})
+    assert spread_out.slope == pytest.approx(-0.02) and spread_out.ci_low < 0 < spread_out.ci_high
+    gaps = GapsSpec(arm="ora", reference="vanilla", x="parameters")
+    assert verdict(spread_out, gaps).startswith("The slope's 95% interval includes 0: 5 seeds cannot tell")
+    assert log_trend({1: [(8.0, 0.1)]}).slope is None  # one x: no slope
+
+
+@pytest.mark.parametrize("quantity, expected", [("head_dim", 32), ("seq_length", 256), ("num_layers", 6),
+                                                 ("parameters", 12345)])
+def test_x_is_read_from_the_run(tmp_path, quantity, expected):
+    model = {"hidden_size": 128, "num_attention_heads": 4, "seq_length": 256, "num_layers": 6}
+    run_dir = write_run(tmp_path, "a", 1, final_loss=3.0, model=model, params=12345, frozen=45)
+    assert run_x(SweepRun("a", 1, run_dir, run_dir.read_experiment()), quantity) == expected
+
+
+def test_gap_figure_latex_and_markdown(gap_report):
+    assert (gap_report / plots.GAPS).read_bytes().startswith(PNG_SIGNATURE)
+    text = (gap_report / "report.md").read_text()
+    assert f"]({plots.GAPS})" in text and "## Gap by shape: `<shape>_ora` − `<shape>_vanilla` against head_dim" in text
+    md = {row["shape"]: row for row in markdown_table(text, "Gap by shape")}
+    assert md["heads2"]["ora worse"] == "3 of 4" and md["heads2"]["not paired"] == "5: heads2_ora failed (exit 3)"
+    latex = (gap_report / "gaps.tex").read_text()
+    assert r"\toprule" in latex and r"\label{tab:gaps}" in latex and "not paired" not in latex
+    row = report_json(gap_report)["tables"]["gaps"][0]
+    assert f"heads8 & $16$ & $5$ & ${row['mean_difference']:.4f}" in latex
+    assert f"$[{row['ci_low']:.4f}, {row['ci_high']:.4f}]$" in latex
+    assert r"\label{tab:gap_trend}" in (gap_report / "gap_trend.tex").read_text()
+    seeds = report_json(gap_report)["tables"]["gap_seeds"]
+    assert len(seeds) == 14 and [r["gap"] for r in seeds if r["shape"] == "heads2"] == pytest.approx(
+        [known_gap(s, "heads2") for s in (1, 2, 3, 4)])
+
+
+def test_a_spec_lists_its_arms_without_runs_and_gives_the_reference(gap_report):
+    document = report_json(gap_report)
+    assert document["settings"]["reference"] == "heads8_vanilla"
+    assert document["settings"]["gaps"] == {"arm": "ora", "reference": "vanilla", "x": "head_dim"}
+    not_used = {(r["arm"], r["seed"]): r["status"] for r in document["tables"]["not_used"]}
+    assert not_used == {("heads2_ora", 5): "failed", **{("heads16_ora", s): "missing" for s in GAP_SEEDS}}
+
+
+def test_without_gaps_the_report_has_no_gap_part(report):
+    assert "gaps" not in report_json(report)["tables"] and not (report / plots.GAPS).exists()
+    assert "## Gap by shape" not in (report / "report.md").read_text()
+
+
+@pytest.mark.parametrize("gaps, key", [({"arm": "ora", "reference": "vanilla", "x": "width"}, "gaps.x"),
+                                       ({"arm": "ora", "reference": "vanila", "x": "head_dim"}, "gaps"),
+                                       ({"arm": "ora", "reference": "vanilla", "y": 1}, "gaps.y")])
+def test_an_invalid_gaps_key_is_refused_naming_it(gap_sweep, tmp_path, capsys, gaps, key):
+    spec = write_gaps_spec(tmp_path, gaps)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(gap_sweep[0]), "--out", str(tmp_path / "out"), "--spec", str(spec)])
+    assert exit_info.value.code == 2
+    assert f"config error at '{key}'" in capsys.readouterr().err and not (tmp_path / "out").exists()

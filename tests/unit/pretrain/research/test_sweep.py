@@ -45,6 +45,9 @@ SHIPPED = {
     "probes": (["vanilla", "ora", "ora_init_trainable", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
 }
 
+# The shipped specs' `gaps` (every arm of A3-A6 in a pair <shape>_ora, <shape>_vanilla) and their x.
+SHIPPED_GAPS = {"a3": "head_dim", "a4": "parameters", "a5": "seq_length", "a6": "num_layers"}
+
 # Overrides of tests/pretrain_runs.py's tiny mock-data run for a sweep that finishes in seconds.
 QUICK = {"train.steps": 4, "train.eval_interval": 2, "checkpoint.save_interval": 2}
 # A run that fails at run time (exit 3): every step's loss is non-finite, two in a row stop it.
@@ -113,6 +116,10 @@ def test_invalid_run_exits_2_naming_spec_arm_and_key_and_starts_nothing(tmp_path
     ({"armz": {}}, "armz"),
     ({"arms": {"a b": arm("ora")}, "reference": "a b"}, "arms.a b"),
     ({"arms": {"a": {**arm("ora"), "scales": {"gpu": {}}}}, "reference": "a"}, "arms.a.scales"),
+    ({"gaps": {"arm": "ora", "reference": "vanilla", "x": "width"}}, "gaps.x"),
+    ({"gaps": {"arm": "ora", "reference": "ora", "x": "head_dim"}}, "gaps.reference"),
+    ({"gaps": {"arm": "", "reference": "vanilla", "x": "head_dim"}}, "gaps.arm"),
+    ({"gaps": {"arm": "ora", "reference": "vanilla", "x": "head_dim"}}, "gaps"),  # no s_ora with s_vanilla
 ])
 def test_invalid_spec_exits_2_naming_the_key(tmp_path, capsys, change, key):
     path = write_spec(tmp_path, {"a": arm("ora")})
@@ -134,6 +141,11 @@ def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
 
     assert spec.body.reference == reference
     assert spec.body.seeds == DESIGN_SEEDS
+    gaps = spec.body.gaps
+    assert (gaps and gaps.x) == SHIPPED_GAPS.get(name)
+    if gaps:
+        pairs = gaps.pairs(spec.body.arms)
+        assert sorted(a for pair in pairs for a in (pair.arm, pair.reference)) == sorted(arms)
     assert [(r.arm, r.seed) for r in runs] == [(a, s) for s in DESIGN_SEEDS for a in arms]
     first_seed = runs[:len(arms)]
     assert len({config_hash(r.cfg) for r in first_seed}) == len(arms), "two arms resolve to the same config"

@@ -1,0 +1,231 @@
+"""The gap of each shape's arm against its twin (a spec's `gaps`: `<shape>_<arm>` − `<shape>_<reference>`
+final validation loss, paired by seed), per shape and as a trend over the quantity x the shapes vary.
+
+x is read from each run, not from the spec, so one spec reads alike at every scale: the run's
+config (config.yaml) for head_dim, seq_length and num_layers, its summary.json for parameters. A
+shape's x is its reference twin's (for parameters: the twin with trainable Q/K and their biases),
+or its arm's when the twin has no run in the statistics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+from pretrain.research.report.latex import MARK_KEY
+from pretrain.research.report.runs import RunMeasures, SweepRun
+from pretrain.research.report.stats import Trend, add_holm, compare_paired, log_trend
+from pretrain.research.report.tables import Column, Table, count, fixed, interval, plain, significant
+from pretrain.research.sweep.spec import GAP_QUANTITIES, GapPair, GapsSpec
+
+
+def run_x(run: SweepRun, quantity: str) -> Optional[float]:
+    """The run's value of `quantity` (one of GAP_QUANTITIES), for a run in the statistics."""
+    if quantity == "parameters":
+        summary = run.run_dir.read_summary()
+        return summary.trainable_params + summary.frozen_params
+    if not run.run_dir.config.exists():
+        return None
+    model = run.run_dir.read_config().model
+    return {"head_dim": model.head_dim, "seq_length": model.seq_length, "num_layers": model.num_layers}[quantity]
+
+
+def shape_x(pair: GapPair, x_of: dict[tuple[str, int], Optional[float]]) -> tuple[Optional[float], str]:
+    """The shape's x (its reference twin's runs', else its arm's) and a note when those runs disagree."""
+    for arm in (pair.reference, pair.arm):
+        values = Counter(x for (name, _), x in x_of.items() if name == arm and x is not None)
+        if values:
+            note = "" if len(values) == 1 else f"x differs between the seeds of {arm}: {sorted(values)}"
+            return values.most_common(1)[0][0], note
+    return None, "no run of the shape in the statistics: x unknown"
+
+
+def absence(not_used: dict[tuple[str, int], dict], arm: str, seed: int) -> str:
+    """Why the arm's run of this seed is not in the statistics, in a few words."""
+    entry = not_used[(arm, seed)]
+    if entry["status"] == "failed":
+        return f"{arm} failed (exit {entry['exit_code']})"
+    if entry["status"] == "finished":
+        return f"{arm} {entry['reason'].split(' (')[0]}"
+    return f"{arm} {entry['status']}"
+
+
+def gap_rows(gaps: GapsSpec, pairs: Sequence[GapPair], used: Sequence[SweepRun], not_used: Sequence[dict],
+             measures: Sequence[RunMeasures]) -> list[dict]:
+    """One row per shape, by x: the paired comparison of its arm against its twin on the final
+    validation loss (mean gap, 95% t interval, t-test, Wilcoxon, d_z), Holm across the shapes per
+    test, the seeds where the arm's loss is higher, and every seed of the sweep that is not a pair,
+    with why. Each row keeps its per-seed gaps under "seed_gaps" (seed → gap) for the plot."""
+    names = {name for pair in pairs for name in (pair.arm, pair.reference)}
+    x_of = {(run.arm, run.seed): run_x(run, gaps.x) for run in used if run.arm in names}
+    losses: dict[str, dict[int, float]] = {}
+    for m in measures:
+        losses.setdefault(m.arm, {})[m.seed] = m.final_valid_loss
+    missing = {(entry["arm"], entry["seed"]): entry for entry in not_used}
+    seeds = sorted({run.seed for run in used} | {entry["seed"] for entry in not_used})
+    rows = []
+    for pair in pairs:
+        arm, reference = losses.get(pair.arm, {}), losses.get(pair.reference, {})
+        comparison = compare_paired(arm, reference)
+        paired = sorted(arm.keys() & reference.keys())
+        seed_gaps = {seed: arm[seed] - reference[seed] for seed in paired}
+        worse = [seed for seed in paired if seed_gaps[seed] > 0]
+        unpaired = [f"{seed}: " + ("; ".join(absence(missing, name, seed) for name in (pair.arm, pair.reference)
+                                             if (name, seed) in missing) or "no record")
+                    for seed in seeds if seed not in seed_gaps]
+        x, x_note = shape_x(pair, x_of)
+        rows.append({"shape": pair.shape, "arm": pair.arm, "reference": pair.reference, "x": x,
+                     "pairs": comparison.pairs, "mean_difference": comparison.mean_difference,
+                     "ci_low": comparison.ci_low, "ci_high": comparison.ci_high,
+                     "t_test_p": comparison.t_test_p, "wilcoxon_p": comparison.wilcoxon_p,
+                     "cohens_dz": comparison.cohens_dz, "worse": len(worse),
+                     "worse_seeds": ", ".join(map(str, worse)), "unpaired": "; ".join(unpaired),
+                     "note": "; ".join(note for note in (comparison.note, x_note) if note),
+                     "seed_gaps": seed_gaps})
+    add_holm(rows)
+    rows.sort(key=lambda row: (row["x"] is None, row["x"] or 0))  # stable: shapes of one x in the spec's order
+    return rows
+
+
+def trend_of(rows: Sequence[dict]) -> Trend:
+    """log_trend over the shapes with an x: each seed's gaps against the shapes' x."""
+    points: dict[int, list[tuple[float, float]]] = {}
+    for row in rows:
+        if row["x"] is not None:
+            for seed, gap in row["seed_gaps"].items():
+                points.setdefault(seed, []).append((row["x"], gap))
+    return log_trend(points)
+
+
+def verdict(trend: Trend, gaps: GapsSpec) -> str:
+    """What the trend says in words, plainly when the seeds cannot tell one."""
+    what = f"the gap ({gaps.arm} − {gaps.reference})"
+    p = significant(3)
+    if trend.slope is None:
+        return f"No trend estimate: {trend.note}."
+    if trend.ci_low is None:
+        return (f"Slope {trend.slope:+.4g} per doubling of {gaps.x} from {trend.seeds} seed(s), without an "
+                f"interval ({trend.note}): no claim about a trend.")
+    numbers = (f"slope {trend.slope:+.4g} per doubling of {gaps.x}, 95% CI [{trend.ci_low:+.4g}, "
+               f"{trend.ci_high:+.4g}], p = {p(trend.p)}, {trend.seeds} seeds")
+    if trend.ci_low <= 0 <= trend.ci_high:
+        return (f"The slope's 95% interval includes 0: {trend.seeds} seeds cannot tell whether {what} moves "
+                f"with {gaps.x} ({numbers}).")
+    direction = "rises" if trend.slope > 0 else "falls"
+    return f"{what[0].upper()}{what[1:]} {direction} with {gaps.x} ({numbers})."
+
+
+def trend_row(trend: Trend, gaps: GapsSpec) -> dict:
+    return {"x": gaps.x, "seeds": trend.seeds, "slope": trend.slope, "ci_low": trend.ci_low,
+            "ci_high": trend.ci_high, "p": trend.p, "intercept": trend.intercept, "note": trend.note,
+            "verdict": verdict(trend, gaps)}
+
+
+def seed_rows(rows: Sequence[dict], measures: Sequence[RunMeasures]) -> list[dict]:
+    """The numbers behind the plot's dots: one row per shape and paired seed."""
+    loss = {(m.arm, m.seed): m.final_valid_loss for m in measures}
+    return [{"shape": row["shape"], "x": row["x"], "seed": seed, "arm_loss": loss[(row["arm"], seed)],
+             "reference_loss": loss[(row["reference"], seed)], "gap": gap}
+            for row in rows for seed, gap in row["seed_gaps"].items()]
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def gaps_table(rows: list[dict], gaps: GapsSpec) -> Table:
+    p = significant(4)
+    return Table("gaps", [
+        Column("shape", ("shape",), plain), Column(gaps.x, ("x",), count),
+        Column("pairs", ("pairs",), plain),
+        Column(f"mean gap ({gaps.arm} − {gaps.reference})", ("mean_difference",), fixed(4), mark=MARK_KEY),
+        Column("95% CI", ("ci_low", "ci_high"), interval(fixed(4))),
+        Column("t-test p", ("t_test_p",), p, latex=False), Column("t-test p (Holm)", ("t_test_p_holm",), p),
+        Column("Wilcoxon p", ("wilcoxon_p",), p, latex=False),
+        Column("Wilcoxon p (Holm)", ("wilcoxon_p_holm",), p),
+        Column("Cohen's d_z", ("cohens_dz",), fixed(3), latex=False),
+        Column(f"{gaps.arm} worse", ("worse", "pairs"), lambda worse, pairs: f"{worse} of {pairs}"),
+        Column("seeds worse", ("worse_seeds",), plain, latex=False),
+        Column("not paired", ("unpaired",), plain, latex=False),
+        Column("note", ("note",), plain, latex=False)], rows)
+
+
+def trend_table(row: dict) -> Table:
+    return Table("gap_trend", [
+        Column("x", ("x",), plain), Column("seeds", ("seeds",), plain),
+        Column("slope per doubling", ("slope",), significant(4)),
+        Column("95% CI", ("ci_low", "ci_high"), interval(significant(4))),
+        Column("t-test p", ("p",), significant(4)),
+        Column("intercept (x = 1)", ("intercept",), significant(4), latex=False),
+        Column("note", ("note",), plain, latex=False),
+        Column("verdict", ("verdict",), plain, latex=False, markdown=False)], [row])  # the section's text
+
+
+def seeds_table(rows: list[dict]) -> Table:
+    """The plot's dots (CSV and JSON only)."""
+    return Table("gap_seeds", [
+        Column("shape", ("shape",), plain), Column("x", ("x",), count), Column("seed", ("seed",), plain),
+        Column("arm loss", ("arm_loss",), fixed(4)), Column("reference loss", ("reference_loss",), fixed(4)),
+        Column("gap", ("gap",), fixed(4))], rows)
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def captions(gaps: GapsSpec, escape) -> dict[str, str]:
+    """LaTeX captions of gaps.tex and gap_trend.tex (`escape`: latex.escape)."""
+    arm, reference, x = (rf"\texttt{{{escape(text)}}}" for text in ("<shape>_" + gaps.arm,
+                                                                     "<shape>_" + gaps.reference, gaps.x))
+    return {
+        "gaps": (f"Gap per shape: final validation loss of {arm} $-$ {reference}, paired by seed; mean and 95\\% "
+                 f"$t$ interval over the pairs, paired $t$-test and Wilcoxon p-values Holm-corrected across the "
+                 f"shapes; {escape(gaps.arm)} worse: seeds whose gap is positive. Marks: paired $t$-test, "
+                 f"Holm-corrected across shapes."),
+        "gap_trend": (f"Trend of the gap over {x}: gap $= a + b \\log_2 x$ fitted to each seed's gaps by least "
+                      f"squares; $b$ per doubling of {x}: mean over seeds, 95\\% $t$ interval and one-sample "
+                      f"$t$-test over the seeds' slopes."),
+    }
+
+
+def section(gaps: GapsSpec, tables: dict[str, Table], trend: dict, plot: str) -> str:
+    x_text = GAP_QUANTITIES[gaps.x]
+    arm, reference = f"`<shape>_{gaps.arm}`", f"`<shape>_{gaps.reference}`"
+    return f"""\
+## Gap by shape: {arm} − {reference} against {gaps.x}
+
+Gap: final validation loss of {arm} − {reference}, paired by seed (positive: {gaps.arm}'s loss is \
+higher). x = {gaps.x}: {x_text}. Holm across the shapes; "not paired": seeds of the sweep without a \
+finished run of both arms, and why.
+
+{tables["gaps"].markdown()}
+
+**Trend.** {trend["verdict"]}
+
+{tables["gap_trend"].markdown()}
+
+![gap against {gaps.x}]({plot})
+
+"""
+
+
+def definitions(gaps: GapsSpec) -> str:
+    return f"""\
+- Gap by shape (the spec's `gaps: {{arm: {gaps.arm}, reference: {gaps.reference}, x: {gaps.x}}}`): every shape
+  with both arms `<shape>_{gaps.arm}` and `<shape>_{gaps.reference}`; gap d_s = final validation loss of the
+  first − the second for each seed s both have in the statistics. Mean gap d̄ over the n pairs; 95% t
+  interval d̄ ± t_(0.975, n−1) · s_d / √n (s_d: sample std of the gaps, ddof=1; n/a below two pairs or with
+  zero spread); t-test, Wilcoxon and d_z as in the paired comparison above; Holm across the shapes, per
+  test. Per shape, x = {gaps.x}:
+  {GAP_QUANTITIES[gaps.x]}. A shape's x is its `{gaps.reference}` twin's (its `{gaps.arm}` arm's when the
+  twin has no run in the statistics), read from the runs, never from the spec.
+- Trend: for each seed, least squares of its gaps on log2 x over the shapes it has (at least two distinct
+  x): d = a_s + b_s · log2 x. Slope b̄ = mean of the b_s over the k seeds with one (the change of the gap
+  per doubling of x), 95% t interval b̄ ± t_(0.975, k−1) · s_b / √k, p from the one-sample t-test of the
+  b_s against 0. The seeds, not the points, are the samples: one seed's gaps share its data order and
+  inits. A line in log2 x rather than a power law a · x^b: the gap may change sign or be 0, where a
+  power law (one sign) or a fit of log|gap| breaks down. An interval that includes 0 means the seeds
+  cannot tell a trend; the report says so.
+- `gaps.png`: per shape, the mean gap with its 95% t interval as error bars, each seed's gap as a grey
+  dot (a seed's dots joined by a thin line; dots shifted sideways by seed), the trend line a + b̄ · log2 x
+  with ā the mean of the a_s, and a line at 0; x on a log2 axis, ticks at the shapes' x. Its numbers:
+  `gap_seeds.csv`. LaTeX: `gaps.tex`, `gap_trend.tex`.
+"""
