@@ -46,6 +46,8 @@ demo: install
 gpu-report:
 	$(PY) -m pretrain.research.gpu_report --out runs/gpu-report
 
-# Wheels of every dependency but torch, for such a machine (Python 3.12, x86_64): runs/wheels (docker/gpu_wheels.py).
+# The GPU set's wheels for the GPU machine (docs/launching.md): pyproject.toml's [tool.ora] gpu and what it needs,
+# for CPython 3.12 on x86_64, less torch and what that machine has (docker/gpu_machine.txt), into runs/wheels;
+# prints their size with the repository's and fails over the 64 MiB that may go there (docker/gpu_wheels.py).
 wheels: install
-	$(PY) docker/gpu_wheels.py --out runs/wheels
+	$(PY) docker/gpu_wheels.py --out runs/wheels --have docker/gpu_machine.txt
