@@ -3,6 +3,7 @@
     python -m pretrain.research.gpu_report --out DIR [--presets small,base] [--arms vanilla,ora,ora_hadamard]
         [--sections tests,bench,train,profile] [--bench-steps 5] [--train-steps 50] [--profile-steps 3]
         [--budget-s 600]
+    python -m pretrain.research.gpu_report --check-imports
 
 Within --budget-s (10 minutes by default) it runs, in this order:
   tests    the gpu-marked tests, `python -m pytest -m gpu` (counts from their JUnit XML);
@@ -27,6 +28,10 @@ the top kernels; with the device and the torch, CUDA, DeepSpeed and megatron-cor
 makes the JSON from the measurements alone. Logs of every command: DIR/logs/.
 
 Without a CUDA device it says so and exits with status 2, before DeepSpeed or megatron-core is imported.
+`--check-imports` imports what the report runs (RUN_PATH) and exits, 0 when all of it imports: no CUDA device
+needed, so that a machine's environment is checked before its GPU time is spent (docker/gpu_bringup.sh).
+The report needs the GPU set of pyproject.toml ([tool.ora] gpu) beside torch, nothing heavier: neither this
+module nor RUN_PATH imports datasets, pyarrow, scipy, matplotlib, wandb or lm-eval.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib
 import json
 import os
 import platform
@@ -67,6 +73,11 @@ MIN_COMMAND_S = 20  # a command given less than this is not started
 NOT_ASKED = "not asked"  # the outcome of a section left out of --sections
 PROFILE_ARM_S = 30  # what one arm's profile is expected to need at most
 GIB = 2**30
+# What the report imports as it measures, in this process and in the commands it starts (the training entry,
+# compare_arms, the trainer they build, the profiler).
+RUN_PATH = ("deepspeed", "megatron.core", "ora_megatron.parallel", "pretrain.runtime.trainer",
+            "pretrain.checkpoint.checkpointer", "pretrain.research.memory_model",
+            "pretrain.research.benchmarks.compare_arms", "pretrain.pretrain_ora", "torch.profiler")
 
 
 # ----------------------------------------------------------------------------- the measurements' shapes
@@ -486,13 +497,33 @@ def measure(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -> 
 
 # ----------------------------------------------------------------------------- the command
 
+def check_imports() -> int:
+    """Import RUN_PATH (no CUDA device needed): 0 and the versions when all of it imports, else 1 and the
+    first failure."""
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout as it loads
+        for name in RUN_PATH:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                print(f"cannot import {name}, which the GPU report runs:\n{traceback.format_exc()}", file=sys.stderr)
+                return 1
+    import deepspeed
+    from megatron.core import package_info
+
+    print(f"the GPU report's imports: ok (torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, "
+          f"megatron-core {package_info.__version__}, CUDA device: {torch.cuda.is_available()})")
+    return 0
+
+
 def _names(text: str) -> list[str]:
     return [name for name in text.split(",") if name]
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for gpu_report.json, gpu_report.md, logs, runs, traces")
+    parser.add_argument("--out", help="folder for gpu_report.json, gpu_report.md, logs, runs, traces (required)")
+    parser.add_argument("--check-imports", action="store_true",
+                        help="only import what the report runs (no CUDA device needed) and exit: 0 when all imports")
     parser.add_argument("--presets", type=_names, default=["small", "base"],
                         help="comma-separated presets (default small,base)")
     parser.add_argument("--arms", type=_names, default=["vanilla", "ora", "ora_hadamard"],
@@ -503,6 +534,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per arm (default 3)")
     parser.add_argument("--budget-s", type=float, default=600.0, help="time for all of it, seconds (default 600)")
     args = parser.parse_args(argv)
+    if args.out is None and not args.check_imports:
+        parser.error("--out is required")
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
@@ -517,6 +550,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.check_imports:
+        return check_imports()
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU report needs one; run it on a machine with an NVIDIA GPU "
               "(docs/launching.md, GPU report on a bare machine)", file=sys.stderr)

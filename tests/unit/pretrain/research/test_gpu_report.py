@@ -99,6 +99,13 @@ def test_arguments_are_checked_first(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_out_is_required_but_to_check_the_imports(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_report.main([])
+    assert exit_.value.code == 2 and "--out is required" in capsys.readouterr().err
+    assert gpu_report.parse_args(["--check-imports"]).check_imports  # its run: tests/project/test_gpu_set.py
+
+
 # ---------------------------------------------------------------------------- the report
 def test_report_from_measurements():
     measured = measurements()
