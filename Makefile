@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # keeps it apart from other environments' builds, and from a lock a killed build left in ~/.cache.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: install test test-fast lint demo gpu-report wheels
+.PHONY: install test test-fast lint demo gpu-report wheels gpu-bringup
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,10 +42,18 @@ demo: install
 
 # The GPU report (pretrain/research/gpu_report.py) on a machine with a CUDA GPU: GPU tests, the arms side by side,
 # the training loop, a profile; runs/gpu-report/gpu_report.{md,json}. Without a GPU it says so and fails (status 2).
-# No `install` first: on a GPU machine without network .venv is made from wheels instead (docs/launching.md).
+# No `install` first: a GPU machine without network gets its environment from wheels (gpu-bringup below).
 gpu-report:
 	$(PY) -m pretrain.research.gpu_report --out runs/gpu-report
 
-# Wheels of every dependency but torch, for such a machine (Python 3.12, x86_64): runs/wheels (docker/gpu_wheels.py).
+# The GPU set's wheels for the GPU machine (docs/launching.md): pyproject.toml's [tool.ora] gpu and what it needs,
+# for CPython 3.12 on x86_64, less torch and what that machine has (docker/gpu_machine.txt), into runs/wheels;
+# prints their size with the repository's and fails over the 64 MiB that may go there (docker/gpu_wheels.py).
 wheels: install
-	$(PY) docker/gpu_wheels.py --out runs/wheels
+	$(PY) docker/gpu_wheels.py --out runs/wheels --have docker/gpu_machine.txt
+
+# On the GPU machine, with the repository and runs/wheels copied there, the one command: a virtualenv over its
+# torch, the wheels installed offline, the imports checked, the GPU report into runs/gpu-report; the report's
+# exit status (docker/gpu_bringup.sh). No `install`: that machine has no network.
+gpu-bringup:
+	docker/gpu_bringup.sh runs/wheels runs/gpu-report

@@ -200,14 +200,18 @@ class RandomQKVLinear(torch.nn.Module):
         self._hadamard_weights_checked = False
 
     def generate_qk(self, layer_number: int) -> None:
-        """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2)."""
+        """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2).
+
+        On the meta device (a model of shapes only: pretrain.research.memory_model) there is nothing to
+        fill and no transform to build; the trainability is set all the same."""
         self.layer_number = layer_number
         for role, param, trainable in (("q", self.q_weight, self.attention.train_q),
                                        ("k", self.k_weight, self.attention.train_k)):
-            with torch.no_grad():
-                param.copy_(self.local_weight(role))
+            if not param.is_meta:
+                with torch.no_grad():
+                    param.copy_(self.local_weight(role))
             param.requires_grad_(trainable)
-        if self.attention.hadamard_qk:
+        if self.attention.hadamard_qk and not self.q_weight.is_meta:
             self._build_hadamard(layer_number)
 
     def _build_hadamard(self, layer_number: int) -> None:

@@ -33,6 +33,15 @@ def pytest_configure(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`-m gpu` alone (the GPU report's tests, on a GPU machine that has only pyproject.toml's GPU set beside
+    its torch) collects only the test files that mark a test gpu (`mark.gpu` in their text): the others may
+    import what that set leaves out (scipy, datasets, matplotlib, ...)."""
+    if config.option.markexpr.strip() == "gpu" and collection_path.is_file() and collection_path.match("test_*.py"):
+        return "mark.gpu" not in collection_path.read_text() or None
+    return None
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():

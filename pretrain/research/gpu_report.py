@@ -2,9 +2,10 @@
 
     python -m pretrain.research.gpu_report --out DIR [--presets small,base] [--arms vanilla,ora,ora_hadamard]
         [--sections tests,bench,train,profile] [--bench-steps 5] [--train-steps 50] [--profile-steps 3]
-        [--budget-s 600]
+        [--budget-s 330]
+    python -m pretrain.research.gpu_report --check-imports
 
-Within --budget-s (10 minutes by default) it runs, in this order:
+Within --budget-s (330 s by default) it runs, in this order:
   tests    the gpu-marked tests, `python -m pytest -m gpu` (counts from their JUnit XML);
   bench    pretrain.research.benchmarks.compare_arms for each preset with the arms side by side (a few
            round-robin steps on synthetic tokens, in the preset's precision: bf16 for small and base);
@@ -16,8 +17,16 @@ Within --budget-s (10 minutes by default) it runs, in this order:
            untimed ones (DIR/profile/PRESET-ARM.json.gz: chrome://tracing or ui.perfetto.dev) and its 15
            CUDA kernels with the most self device time.
 Every command gets the budget that is left (and at most its section's share); one that fails or runs out
-of time is reported so, and the others still run. The peak memory plans come from
-pretrain.research.memory_plan's model for the same configs, computed here.
+of time is reported so, and the others still run. A profile starts only with PROFILE_ARM_S left. The peak
+memory plans come from pretrain.research.memory_plan's model for the same configs, computed here.
+
+The default budget keeps the report within 6 minutes on the GPU machine, so that a GPU window of 15 minutes
+holds a second run. The default work is expected to take 4-5 minutes on an H100 (an estimate from the
+presets' sizes and start-up times seen on CPU, not yet measured on a GPU): the gpu-marked tests ~30 s;
+compare_arms 25-35 s per preset (start-up and imports ~8 s, three engines, ~10 steps per arm at ~0.15 s for
+small and ~0.4 s for base: 15 and 45 TFLOP a step of 65,536 tokens); the training entry 25-40 s per preset
+(start-up, 50 steps, a final checkpoint of ~0.5 or ~1.4 GB); 10-25 s per profiled arm (an engine, 5 steps, the
+trace written).
 
 DIR/gpu_report.json (schema ora-gpu-report/1) and DIR/gpu_report.md (a table per section) hold, per
 preset and arm: the step time (median, min and max over the timed steps or windows), tokens/s, TFLOP/s
@@ -27,6 +36,10 @@ the top kernels; with the device and the torch, CUDA, DeepSpeed and megatron-cor
 makes the JSON from the measurements alone. Logs of every command: DIR/logs/.
 
 Without a CUDA device it says so and exits with status 2, before DeepSpeed or megatron-core is imported.
+`--check-imports` imports what the report runs (RUN_PATH) and exits, 0 when all of it imports: no CUDA device
+needed, so that a machine's environment is checked before its GPU time is spent (docker/gpu_bringup.sh).
+The report needs the GPU set of pyproject.toml ([tool.ora] gpu) beside torch, nothing heavier: neither this
+module nor RUN_PATH imports datasets, pyarrow, scipy, matplotlib, wandb or lm-eval.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib
 import json
 import os
 import platform
@@ -63,11 +77,17 @@ TRAIN_LOG_INTERVAL = 5
 BENCH_WARMUP = 2
 PROFILE_WARMUP = 2
 # The most one command of a section may take (seconds), so that one section cannot spend the others' time.
-SECTION_LIMIT_S = {"tests": 120, "bench": 180, "train": 150}
+SECTION_LIMIT_S = {"tests": 90, "bench": 120, "train": 120}
 MIN_COMMAND_S = 20  # a command given less than this is not started
+BUDGET_S = 330.0  # the default --budget-s: with start-up and the files written, within 6 minutes
 NOT_ASKED = "not asked"  # the outcome of a section left out of --sections
-PROFILE_ARM_S = 30  # what one arm's profile is expected to need at most
+PROFILE_ARM_S = 45  # what one arm's profile is expected to need at most
 GIB = 2**30
+# What the report imports as it measures, in this process and in the commands it starts (the training entry,
+# compare_arms, the trainer they build, the profiler).
+RUN_PATH = ("deepspeed", "megatron.core", "ora_megatron.parallel", "pretrain.training.trainer",
+            "pretrain.checkpoint.checkpointer", "pretrain.research.memory_model",
+            "pretrain.research.benchmarks.compare_arms", "pretrain.pretrain_ora", "torch.profiler")
 
 
 # ----------------------------------------------------------------------------- the measurements' shapes
@@ -487,13 +507,33 @@ def measure(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -> 
 
 # ----------------------------------------------------------------------------- the command
 
+def check_imports() -> int:
+    """Import RUN_PATH (no CUDA device needed): 0 and the versions when all of it imports, else 1 and the
+    first failure."""
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout as it loads
+        for name in RUN_PATH:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                print(f"cannot import {name}, which the GPU report runs:\n{traceback.format_exc()}", file=sys.stderr)
+                return 1
+    import deepspeed
+    from megatron.core import package_info
+
+    print(f"the GPU report's imports: ok (torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, "
+          f"megatron-core {package_info.__version__}, CUDA device: {torch.cuda.is_available()})")
+    return 0
+
+
 def _names(text: str) -> list[str]:
     return [name for name in text.split(",") if name]
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for gpu_report.json, gpu_report.md, logs, runs, traces")
+    parser.add_argument("--out", help="folder for gpu_report.json, gpu_report.md, logs, runs, traces (required)")
+    parser.add_argument("--check-imports", action="store_true",
+                        help="only import what the report runs (no CUDA device needed) and exit: 0 when all imports")
     parser.add_argument("--presets", type=_names, default=["small", "base"],
                         help="comma-separated presets (default small,base)")
     parser.add_argument("--arms", type=_names, default=["vanilla", "ora", "ora_hadamard"],
@@ -502,8 +542,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--bench-steps", type=int, default=5, help="timed compare_arms steps per arm (default 5)")
     parser.add_argument("--train-steps", type=int, default=50, help="training steps per preset (default 50)")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per arm (default 3)")
-    parser.add_argument("--budget-s", type=float, default=600.0, help="time for all of it, seconds (default 600)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help=f"time for all of it, seconds (default {BUDGET_S:g})")
     args = parser.parse_args(argv)
+    if args.out is None and not args.check_imports:
+        parser.error("--out is required")
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
@@ -518,6 +561,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.check_imports:
+        return check_imports()
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU report needs one; run it on a machine with an NVIDIA GPU "
               "(docs/launching.md, GPU report on a bare machine)", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""docker/: the GPU image's Dockerfile, entrypoint and build context, checked without a Docker engine.
+"""docker/: the GPU image's Dockerfile, entrypoint and build context, checked without a Docker engine; the
+bring-up script of a GPU machine without network, run here without a GPU.
 
 Linters (hadolint, shellcheck), the build context against .dockerignore, the pins against pyproject.toml (the
 Dockerfile's own pin-reading snippet is run here), the base image tag and the user the image runs as.
@@ -6,6 +7,8 @@ Dockerfile's own pin-reading snippet is run here), the base image tag and the us
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.metadata
 import os
 import re
@@ -14,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from pretrain_runs import REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+BRINGUP = REPO / "docker" / "gpu_bringup.sh"
 HEREDOC = re.compile(r"<<-?(['\"]?)(\w+)\1")
 
 
@@ -224,3 +229,55 @@ def test_runs_as_a_non_root_user():
     assert user.isdigit() and int(user) != 0 and group.isdigit() and int(group) != 0
     creates = [args for args, _ in of("RUN") if "useradd" in args]
     assert any(f"--uid {user}" in args for args in creates)
+
+
+# ---------------------------------------------------------------------------- the GPU machine's bring-up
+def test_bringup_is_executable_and_shellcheck_clean():
+    assert os.access(BRINGUP, os.X_OK)
+    out = subprocess.run([tool("shellcheck"), str(BRINGUP)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def hand_made_wheel(folder: Path, module: str = "ora_probe", version: str = "1.0") -> None:
+    """A wheel of one module, written here: no index, no build."""
+    info = f"{module}-{version}.dist-info"
+    files = {f"{module}.py": "VALUE = 1\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {module}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    digest = {path: base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+              for path, text in files.items()}
+    files[f"{info}/RECORD"] = "".join(f"{path},sha256={digest[path]},{len(text)}\n" for path, text in files.items())
+    files[f"{info}/RECORD"] += f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{module}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+@pytest.mark.slow
+def test_bringup_installs_offline_checks_the_imports_and_exits_with_the_report(tmp_path):
+    """This interpreter plays the GPU machine's Python (a virtualenv's, whose packages --system-site-packages
+    would miss), a hand-made wheel the GPU set: the virtualenv gets the wheel with --no-index and sees the
+    machine's torch, the imports pass, the report refuses without CUDA (the suite hides GPUs): status 2, on a
+    second run too. A wheel missing from WHEELS stops it before the report: status 3, naming the log."""
+    wheels, report, venv = tmp_path / "wheels", tmp_path / "report", tmp_path / "venv"
+    wheels.mkdir()
+    hand_made_wheel(wheels)
+    (wheels / "requirements.txt").write_text("ora_probe==1.0\n")
+    env = {**os.environ, "PYTHON": sys.executable, "ORA_GPU_VENV": str(venv)}
+
+    def bringup() -> subprocess.CompletedProcess:
+        return subprocess.run([str(BRINGUP), str(wheels), str(report)], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    for _ in range(2):
+        out = bringup()
+        assert out.returncode == 2, out.stderr[-3000:]
+        assert "the GPU report's imports: ok (torch " in out.stderr and "no CUDA device" in out.stderr
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import ora_probe, torch; print(ora_probe.__file__)"],
+                           capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0 and where.stdout.startswith(str(venv)), where.stderr[-2000:]
+    assert (report / "logs" / "bringup-install.log").is_file() and not (report / "gpu_report.md").exists()
+
+    (wheels / "requirements.txt").write_text("ora_missing==1.0\n")
+    out = bringup()
+    assert out.returncode == 3 and f"{report}/logs/bringup-install.log" in out.stderr

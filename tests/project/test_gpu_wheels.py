@@ -1,6 +1,7 @@
-"""docker/gpu_wheels.py, offline: the pins it reads from pyproject.toml for the target's Python, the walk
-from them through a resolved set (markers for the target, never into torch, without what the target has),
-the platform tags it asks pip for. Fetching from the index is not tested here."""
+"""docker/gpu_wheels.py, offline: the GPU set's pins it reads from pyproject.toml for the target's Python, the
+walk from them through a resolved set (markers for the target, never into torch, without what the target has),
+the platform tags it asks pip for, what it says when the index has no wheel of a package. Fetching from the
+index is not tested here."""
 
 from __future__ import annotations
 
@@ -25,22 +26,39 @@ def pins(requirements) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("python, megatron", [("3.12", "==0.19.2"), ("3.11", "==0.16.1")])
-def test_pins_of_pyproject_for_the_target_python(python, megatron):
-    """pyproject.toml's pins with their markers evaluated for the target's Python, whatever runs the script."""
-    run, build = gpu_wheels.top_requirements(PYPROJECT, gpu_wheels.target_environment(python, "x86_64"), [])
-    declared = [Requirement(text) for text in PYPROJECT["project"]["dependencies"]]
+def test_gpu_set_at_the_pins_of_pyproject_for_the_target_python(python, megatron):
+    """[tool.ora] gpu's names at pyproject.toml's pins, markers evaluated for the target's Python, whatever
+    runs the script."""
+    run = gpu_wheels.gpu_requirements(PYPROJECT, gpu_wheels.target_environment(python, "x86_64"))
+    assert [r.name for r in run] == PYPROJECT["tool"]["ora"]["gpu"]
     assert pins(run)["megatron-core"] == megatron
-    assert "torch" not in pins(run)  # the target keeps its own CUDA torch
-    assert set(pins(run)) == {r.name for r in declared} - {"torch"}
-    assert pins(run)["deepspeed"] == next(str(r.specifier) for r in declared if r.name == "deepspeed")
-    assert [str(r) for r in build] == PYPROJECT["build-system"]["requires"]
+    declared = [Requirement(text) for text in PYPROJECT["project"]["dependencies"]
+                + PYPROJECT["project"]["optional-dependencies"]["test"]]
+    for name in ("deepspeed", "pytest", "zstandard"):
+        assert pins(run)[name] == next(str(r.specifier) for r in declared if r.name == name)
     assert all(r.marker is None for r in map(Requirement, map(gpu_wheels.without_marker, run)))
 
 
-def test_extras_add_their_group():
-    environment = gpu_wheels.target_environment("3.12", "x86_64")
-    run, _ = gpu_wheels.top_requirements(PYPROJECT, environment, ["test"])
-    assert {Requirement(t).name for t in PYPROJECT["project"]["optional-dependencies"]["test"]} <= set(pins(run))
+def test_gpu_set_leaves_the_heavy_packages_and_torch_behind():
+    names = set(PYPROJECT["tool"]["ora"]["gpu"])
+    assert not names & {"torch", "datasets", "pyarrow", "scipy", "matplotlib", "wandb", "lm-eval"}
+
+
+@pytest.mark.parametrize("gpu, message", [
+    (["torch"], "the target keeps its own"),
+    (["flash-attn"], "flash-attn, which pyproject.toml does not pin for Python 3.12"),
+    (["loose"], "loose>=1.0 for Python 3.12: the set takes one exact pin"),
+])
+def test_gpu_set_names_only_exactly_pinned_packages_but_torch(gpu, message):
+    pyproject = {"project": {"dependencies": ["torch==2.13.0", "loose>=1.0"]}, "tool": {"ora": {"gpu": gpu}}}
+    with pytest.raises(ValueError, match=message):
+        gpu_wheels.gpu_requirements(pyproject, gpu_wheels.target_environment("3.12", "x86_64"))
+
+
+def test_constraints_are_the_project_pins_without_extras_or_torch():
+    pinned = gpu_wheels.constraints(PYPROJECT, gpu_wheels.target_environment("3.11", "x86_64"))
+    assert "megatron-core==0.16.1" in pinned and "lm-eval==0.4.13" in pinned and "tqdm==4.70.1" in pinned
+    assert not [pin for pin in pinned if pin.startswith("torch") or "[" in pin or ";" in pin]
 
 
 def package(name: str, version: str, *requires: str):
@@ -87,6 +105,8 @@ def test_report_and_have_files_are_read_by_canonical_name():
                                                     "jinja2": package("Jinja2", "3.1.6", "MarkupSafe>=2.0")}
     freeze = "# the GPU machine\nPyYAML==6.0.2\ntyping_extensions==4.12.2\nmypkg @ file:///src/mypkg\n"
     assert gpu_wheels.have_names(freeze) == {"pyyaml", "typing-extensions", "mypkg"}
+    machine = gpu_wheels.have_names((REPO / "docker" / "gpu_machine.txt").read_text())  # make wheels' --have
+    assert {"torch", "transformers", "pytest", "numpy", "pyyaml"} <= machine
 
 
 def test_platform_tags_newest_glibc_first():
@@ -96,6 +116,17 @@ def test_platform_tags_newest_glibc_first():
     assert gpu_wheels.platforms("aarch64", "2.17")[-1] == "manylinux1_aarch64"
 
 
+def test_a_source_only_package_is_named_with_what_to_do():
+    output = ("ERROR: Could not find a version that satisfies the requirement sqlitedict (from lm-eval) (from "
+              "versions: none)\nERROR: No matching distribution found for sqlitedict\n")
+    message = gpu_wheels.pip_error(gpu_wheels.PipFailed("pip install", output), "3.12", "x86_64")
+    assert message.startswith("error: the index has no wheel of sqlitedict for CPython 3.12 on x86_64")
+    assert "BUILT_HERE" in message and "[tool.ora] gpu" in message
+    other = gpu_wheels.pip_error(gpu_wheels.PipFailed("pip download", "a\nb\nERROR: disk full\n"), "3.12", "x86_64")
+    assert other == "error: pip download failed:\na\nb\nERROR: disk full"
+
+
 def test_script_answers_help():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--have" in out.stdout and "--python-version" in out.stdout
+    assert "--limit-mib" in out.stdout

@@ -100,6 +100,21 @@ def test_arguments_are_checked_first(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_out_is_required_but_to_check_the_imports(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_report.main([])
+    assert exit_.value.code == 2 and "--out is required" in capsys.readouterr().err
+    assert gpu_report.parse_args(["--check-imports"]).check_imports  # its run: tests/project/test_gpu_set.py
+
+
+def test_default_work_is_budgeted_within_six_minutes():
+    """The default budget and what runs outside it (this module's imports, the files written) stay within the
+    6 minutes a report may take on the GPU machine; any one command or profile fits in the budget."""
+    args = gpu_report.parse_args(["--out", "unused"])
+    assert args.budget_s + 30 <= 6 * 60
+    assert max(gpu_report.SECTION_LIMIT_S.values()) + gpu_report.PROFILE_ARM_S < args.budget_s
+
+
 # ---------------------------------------------------------------------------- the report
 def test_report_from_measurements():
     measured = measurements()

@@ -220,6 +220,18 @@ def test_pipeline_stages_hold_their_layers_and_a_tied_embedding_each(one_process
     assert sum(s.numel for stage in stages for s in stage) == sum(p.numel() for p in model.parameters()) + embedding
 
 
+@pytest.mark.parametrize("method", ["qr", "hadamard"])
+def test_the_meta_model_counts_frozen_qk_of_every_orthogonal_method(one_process, run_config, method):
+    """The plan's model is built on the meta device: ORA's Q/K (hadamard's transforms too) are not drawn
+    there, yet counted as the real model has them, frozen."""
+    cfg = load_run_config(run_config, [f"model.attention.orthogonal_method={method}", "model.hidden_size=256",
+                                       "model.num_attention_heads=4"])
+    (shards,) = memory_model.stage_shards(cfg, memory_model.pipeline_stages(cfg))
+    real = build_staged_gpt(cfg.model, cfg.parallel)
+    frozen = sum(p.numel() for p in real.parameters() if not p.requires_grad)
+    assert sum(s.numel for s in shards if not s.trainable) == frozen == 2 * 2 * 256 * 256  # 2 layers' Q and K
+
+
 # ---------------------------------------------------------------- activations
 def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes of distinct storages autograd keeps for backward after forward and loss (weights excluded)."""
