@@ -41,12 +41,14 @@ SHIPPED = {
     "a4": ([f"width_{w}_{m}" for w in ("0.5x", "1x", "1.5x", "2x") for m in ("ora", "vanilla")], "width_1x_vanilla"),
     "a5": ([f"seq_{x}_{m}" for x in ("0.25x", "1x", "2x", "4x") for m in ("ora", "vanilla")], "seq_1x_vanilla"),
     "a6": ([f"layers{n}_{m}" for n in (4, 8, 12, 24) for m in ("ora", "vanilla")], "layers4_vanilla"),
+    "a5_retrieval": ([f"len{n}_{m}" for n in (32, 64, 128, 256) for m in ("ora", "vanilla")], "len32_vanilla"),
     "a7": (["qr", "svd", "householder", "cayley", "hadamard", "vanilla"], "vanilla"),
     "probes": (["vanilla", "ora", "ora_init_trainable", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
 }
 
 # The shipped specs' `gaps` (every arm of A3-A6 in a pair <shape>_ora, <shape>_vanilla) and their x.
-SHIPPED_GAPS = {"a3": "head_dim", "a4": "parameters", "a5": "seq_length", "a6": "num_layers"}
+SHIPPED_GAPS = {"a3": "head_dim", "a4": "parameters", "a5": "seq_length", "a5_retrieval": "seq_length",
+                "a6": "num_layers"}
 
 # Overrides of tests/pretrain_runs.py's tiny mock-data run for a sweep that finishes in seconds.
 QUICK = {"train.steps": 4, "train.eval_interval": 2, "checkpoint.save_interval": 2}
@@ -154,7 +156,7 @@ def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
         assert {r.scale.processes_per_node for r in runs} == {8}
         assert {(r.cfg.train.global_batch_size, r.cfg.train.steps) for r in runs} == {(128, 100_000)}
         assert {r.cfg.model.hidden_size for r in runs} == ({256, 512, 768, 1024} if name == "a4" else {512})
-    elif name == "probes":  # the probe tasks' examples: 32 tokens over 24 ids, llama (RoPE)
+    elif name in ("probes", "a5_retrieval"):  # the probe tasks' examples: 32 tokens over 24 ids, llama (RoPE)
         assert {r.scale.processes_per_node for r in runs} == {1}
         assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size, r.cfg.model.family) for r in runs} == {
             (32, 24, "llama")}
