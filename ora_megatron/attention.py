@@ -198,6 +198,9 @@ class RandomQKVLinear(torch.nn.Module):
         _mark_head_sharded(self.q_weight, self.k_weight, self.v_bias)
         self.hadamard = None  # HadamardRows of Q and K, set by generate_qk for ora/hadamard
         self._hadamard_weights_checked = False
+        # Role → the full (all heads) Q or K a run imported instead of drawing (train.init_from_qk:
+        # imported); the reference its frozen copies are checked against, as the draw is otherwise.
+        self.imported_qk: dict[str, torch.Tensor] = {}
 
     def generate_qk(self, layer_number: int) -> None:
         """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2)."""
@@ -240,7 +243,16 @@ class RandomQKVLinear(torch.nn.Module):
         self.register_buffer("row_mask", row_mask, persistent=False)
 
     def local_weight(self, role: str) -> torch.Tensor:
-        """This rank's heads of the regenerated Q or K weight of this layer."""
+        """This rank's heads of this layer's reference Q or K: the imported one, if the run imported
+        it, else the one regenerated from the seed."""
+        if role in self.imported_qk:
+            rows = (self.heads if role == "q" else self.groups) * self.head_dim
+            rank, _ = tp_rank_size(self.tp_group)
+            return self.imported_qk[role][rank * rows:(rank + 1) * rows].to(self.config.params_dtype)
+        return self.drawn_weight(role)
+
+    def drawn_weight(self, role: str) -> torch.Tensor:
+        """This rank's heads of the Q or K weight of this layer regenerated from (seed, layer, role)."""
         heads = self.config.num_attention_heads if role == "q" else self.config.num_query_groups
         rows = (self.heads if role == "q" else self.groups) * self.head_dim
         rank, _ = tp_rank_size(self.tp_group)
@@ -276,12 +288,24 @@ class RandomQKVLinear(torch.nn.Module):
         if self.q_weight.requires_grad or self.k_weight.requires_grad:
             self._hadamard_weights_checked = False
             return False
-        if not self._hadamard_weights_checked:
+        if not self._hadamard_weights_checked:  # the transforms compute the drawn Q/K, nothing else
             self._hadamard_weights_match = all(
-                torch.equal(w, self.local_weight(role).to(w.device, w.dtype))
+                torch.equal(w, self.drawn_weight(role).to(w.device, w.dtype))
                 for role, w in (("q", self.q_weight), ("k", self.k_weight)))
             self._hadamard_weights_checked = True
         return self._hadamard_weights_match
+
+
+def use_imported_qk(module: torch.nn.Module, tensors: dict[tuple[int, str], torch.Tensor]) -> int:
+    """Make the imported Q/K, `(layer, role)` → full tensor, the reference of every random-Q/K layer
+    of `module` (regenerating and checking frozen Q/K then restores these). Returns how many were set."""
+    count = 0
+    for linear in (m for m in module.modules() if isinstance(m, RandomQKVLinear)):
+        for role in ("q", "k"):
+            if (linear.layer_number, role) in tensors:
+                linear.imported_qk[role] = tensors[(linear.layer_number, role)].detach().cpu()
+                count += 1
+    return count
 
 
 class RandomQKSelfAttention(SelfAttention):

@@ -81,6 +81,13 @@ class TrainConfig:
     """A collective that waits longer than this (seconds) fails, so ranks exit when a peer has died."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
     """Fault injection: make the loss non-finite at these (1-based) steps; empty in every real config."""
+    init_from: Optional[str] = None
+    """Start from these weights, not random ones: a Hugging Face model directory (gpt2/llama, safetensors) or
+    a run dir / checkpoint of this project. Weights only (optimizer, LR schedule, step start afresh); read at
+    the run's first start only."""
+    init_from_qk: Optional[Literal["draw", "imported"]] = None
+    """Required with init_from and random-Q/K attention (ora, frozen_*): draw Q/K as a fresh run does (from
+    model.seed), or take the imported ones (frozen unless attention.train_q/train_k)."""
 
     @property
     def freeze_stages(self) -> list[FreezeStage]:
@@ -287,6 +294,7 @@ class RunConfig:
 
     def validate(self, key: str) -> None:
         validate_model_parallel(self.model, self.parallel)
+        self._validate_init_from()
         decay_steps = self.lr_decay_steps
         check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
               f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
@@ -310,6 +318,24 @@ class RunConfig:
                         bad = [n for n in layers if not 1 <= n <= self.model.num_layers]
                         check(not bad, f"train.freeze_schedule[{i}].{name}",
                               f"layer numbers {bad} outside 1..{self.model.num_layers}")
+
+
+    def _validate_init_from(self) -> None:
+        train, att = self.train, self.model.attention
+        if train.init_from is None:
+            check(train.init_from_qk is None, "train.init_from_qk", "read only with train.init_from: leave it at null")
+            return
+        check(bool(train.init_from.strip()), "train.init_from", "an empty path; null starts from random weights")
+        check(att.uses_qk, "train.init_from",
+              f"attention type '{att.type}' has no Q/K projections to import into (vanilla, ora, frozen_* have)")
+        if att.custom_qkv:
+            check(train.init_from_qk is not None, "train.init_from_qk",
+                  f"attention type '{att.type}' draws its Q/K: choose draw (as a fresh run, from model.seed) or "
+                  "imported (the source's Q/K)")
+        else:
+            check(train.init_from_qk is None, "train.init_from_qk",
+                  f"read only for random-Q/K attention (ora, frozen_*); '{att.type}' imports its trainable Q/K: "
+                  "leave it at null")
 
 
 def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:

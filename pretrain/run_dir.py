@@ -7,6 +7,8 @@
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
       experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep/)
+      init_from.json                                 what the run's first start imported (train.init_from)
+      init_from/weights.safetensors                  those weights, converted to the run's model (fp32)
       evaluations/<name>.json                        one post-training evaluation each (attention, probe, downstream)
       checkpoints/latest                             tag of the newest complete checkpoint
       checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
@@ -257,6 +259,20 @@ class RunDir:
     experiment = _Entry("experiment.yaml")
     evaluations = _Entry("evaluations")
     lock_file = _Entry("run.lock")
+    init_from_record = _Entry("init_from.json")
+    init_from_dir = _Entry("init_from")
+
+    @property
+    def init_from_weights(self) -> Path:
+        """The imported weights as the run's model holds them (pretrain/checkpoint/init_from.py)."""
+        return self.init_from_dir / "weights.safetensors"
+
+    def read_init_from(self) -> Optional[dict]:
+        """The import record of a run that started from other weights (train.init_from), else None."""
+        return json.loads(self.init_from_record.read_text()) if self.init_from_record.is_file() else None
+
+    def write_init_from(self, record: dict) -> None:
+        write_text_atomic(self.init_from_record, json.dumps(record, indent=1) + "\n")
 
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag

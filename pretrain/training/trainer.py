@@ -13,9 +13,11 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import get_flattened_grad_norm
 from megatron.core import parallel_state
 
+from ora_megatron.attention import use_imported_qk
 from ora_megatron.config_io import to_dict
-from pretrain.checkpoint import reshard
+from pretrain.checkpoint import init_from, reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
+from pretrain.checkpoint.consolidate import imported_qk
 from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
@@ -57,6 +59,8 @@ class Trainer:
         datasets = build_datasets(cfg, build_tokenizer(cfg), run_dir.data_cache)
         self.state = TrainState()
         self.train_engine: TrainEngine = build_engine(cfg, grad_accum)
+        # Imported Q/K (train.init_from_qk: imported) are the reference frozen ones are restored to.
+        use_imported_qk(self.train_engine.module, imported_qk(run_dir))
         self.param_counts = accounting.parameter_counts(self.train_engine)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (TrainEngine.reports_no_grad_norm)
@@ -91,6 +95,13 @@ class Trainer:
         converted = reshard.converted_checkpoint(self.run_dir, tag, self.cfg, dist.get_world_size())
         self.checkpointer.load(self.train_engine, tag, saved, converted)
         self.state = saved
+        return True
+
+    def import_weights(self) -> bool:
+        """A fresh run's imported weights (train.init_from, converted by the launching process), if any."""
+        if self.run_dir.read_init_from() is None:
+            return False
+        init_from.load_import(self.train_engine, self.run_dir)
         return True
 
     # ------------------------------------------------------------------ one step
