@@ -132,8 +132,9 @@ class OptimizerConfig:
     """Final learning rate as a fraction of lr, in [0, 1]."""
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to lr."""
-    decay_style: Literal["cosine", "linear", "constant", "cosine_restarts", "polynomial"] = "cosine"
-    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr; cosine_restarts: SGDR)."""
+    decay_style: Literal["cosine", "linear", "constant", "cosine_restarts", "polynomial", "wsd"] = "cosine"
+    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr; cosine_restarts: SGDR;
+    wsd: warmup-stable-decay, megatron-core's WSD)."""
     decay_steps: Optional[int] = None
     """Step (warmup included) at which the decay reaches lr · min_lr_ratio; null = train.steps."""
     restart_cycle_steps: Optional[int] = None
@@ -142,6 +143,11 @@ class OptimizerConfig:
     """cosine_restarts only: each cycle's peak is the previous one's × this, in (0, 1]."""
     decay_power: float = 1.0
     """polynomial only: the power p of (lr − end) · (1 − t)^p + end, > 0 (1: linear)."""
+    wsd_decay_steps: Optional[int] = None
+    """wsd (required; no other style reads it): steps of the final decay, which ends at decay_steps; before it
+    the LR stays at lr."""
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """wsd only: shape of the final decay (megatron-core's lr_wsd_decay_style)."""
     beta1: float = 0.9
     """AdamW β1, in [0, 1)."""
     beta2: float = 0.98
@@ -163,10 +169,15 @@ class OptimizerConfig:
         if self.decay_style == "cosine_restarts":
             check(self.restart_cycle_steps is not None and self.restart_cycle_steps > 0,
                   f"{key}.restart_cycle_steps", "decay_style cosine_restarts needs a cycle length > 0")
+        if self.decay_style == "wsd":
+            check(self.wsd_decay_steps is not None and self.wsd_decay_steps > 0,
+                  f"{key}.wsd_decay_steps", "decay_style wsd needs the steps of its final decay, > 0")
         # A value the style would not read is refused rather than ignored.
         unread = {"restart_cycle_steps": (self.restart_cycle_steps, None, "cosine_restarts"),
                   "restart_peak_decay": (self.restart_peak_decay, 1.0, "cosine_restarts"),
-                  "decay_power": (self.decay_power, 1.0, "polynomial")}
+                  "decay_power": (self.decay_power, 1.0, "polynomial"),
+                  "wsd_decay_steps": (self.wsd_decay_steps, None, "wsd"),
+                  "wsd_decay_style": (self.wsd_decay_style, "linear", "wsd")}
         for name, (value, unset, style) in unread.items():
             unset_text = "null" if unset is None else unset
             check(self.decay_style == style or value == unset, f"{key}.{name}",
@@ -299,6 +310,11 @@ class RunConfig:
         check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
               f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
               "optimizer.decay_steps, or train.steps when unset)")
+        if self.optimizer.decay_style == "wsd":
+            stable_and_decay = decay_steps - self.optimizer.warmup_steps
+            check(self.optimizer.wsd_decay_steps <= stable_and_decay, "optimizer.wsd_decay_steps",
+                  f"{self.optimizer.wsd_decay_steps} is more than the {stable_and_decay} steps between warmup's end "
+                  f"and the decay steps ({decay_steps})")
         # ZeRO-3 gathers each weight in hooks inside the layers, which a compiled layer would trace.
         check(not (self.train.compile and self.deepspeed.zero_stage == 3), "train.compile",
               "torch.compile of the layers is supported with ZeRO-0/1/2, not with deepspeed.zero_stage=3")
