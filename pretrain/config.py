@@ -81,6 +81,9 @@ class TrainConfig:
     """A collective that waits longer than this (seconds) fails, so ranks exit when a peer has died."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
     """Fault injection: make the loss non-finite at these (1-based) steps; empty in every real config."""
+    eval_per_source: bool = True
+    """With a data manifest of several sources, each evaluation also reports every source's loss (eval_iters
+    batches of each)."""
     init_from: Optional[str] = None
     """Start from these weights, not random ones: a Hugging Face model directory (gpt2/llama, safetensors) or
     a run dir / checkpoint of this project. Weights only (optimizer, LR schedule, step start afresh); read at

@@ -95,8 +95,11 @@ class EvalRecord:
 
     step: int
     split: str  # "valid" or "test"
-    loss: float
+    loss: float  # of the blend
     ppl: float
+    # Each data source's loss on its own part of the split (a manifest of several sources,
+    # train.eval_per_source); None otherwise.
+    sources: Optional[dict[str, float]] = None
 
 
 Record = Union[TrainRecord, EvalRecord]
@@ -119,6 +122,9 @@ class Summary:
     frozen_params: int
     # Per rank: Adam-state elements/bytes and gradient bytes, read from the live tensors.
     allocated_by_rank: list[dict] = field(default_factory=list)
+    # Each data source's loss at the last validation / the test (EvalRecord.sources); None without them.
+    final_valid_loss_by_source: Optional[dict[str, float]] = None
+    final_test_loss_by_source: Optional[dict[str, float]] = None
 
 
 @dataclass

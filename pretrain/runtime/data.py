@@ -4,6 +4,7 @@ exactly the batches the uninterrupted one would have."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -176,12 +177,46 @@ def _check_manifest_shards(cfg: RunConfig, manifest: dict) -> None:
 
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
-    """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches)."""
+    """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches), and
+    with train.eval_per_source each source's valid and test datasets, as `source_split(split, source)`."""
     sizes = [cfg.train.train_samples, cfg.train.eval_samples, cfg.train.eval_samples]
     config = dataset_config(cfg, tokenizer, cache_dir)
     cls = MockGPTDataset if cfg.data.mock else GPTDataset
-    datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-    return dict(zip(SPLITS, datasets))
+    datasets = dict(zip(SPLITS, BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()))
+    for source, per_split in eval_sources(cfg, config).items():
+        # Built as a run whose valid/test blends were this source's entries alone would build them.
+        single = dataclasses.replace(config, blend=None, split=None, blend_per_split=[None, *per_split])
+        valid, test = BlendedMegatronDatasetBuilder(cls, [None, *sizes[1:]], lambda: True, single).build()[1:]
+        datasets[source_split("valid", source)], datasets[source_split("test", source)] = valid, test
+    return datasets
+
+
+def source_split(split: str, source: str) -> str:
+    """The key of one source's part of an evaluation split in build_datasets' result."""
+    return f"{split}:{source}"
+
+
+def eval_sources(cfg: RunConfig, config: GPTDatasetConfig) -> dict[str, list]:
+    """Source → [valid blend, test blend] of its entries in the run's blends (prefixes and weights as the
+    manifest gives them; None where the source has none), for a manifest of two or more sources in its
+    valid/test splits and train.eval_per_source. A manifest built without --split (its shards cut by
+    data.split) evaluates the blend only."""
+    if not (cfg.train.eval_per_source and cfg.data.manifest):
+        return {}
+    manifest = read_manifest(cfg)
+    root = Path(manifest_path(cfg.data.manifest)).resolve().parent
+    source_of = {str(root / entry["prefix"]): entry["source"] for entry in manifest["datasets"]}
+    if config.blend_per_split is None:  # cut by ratio: a source's valid part is no blend of whole datasets
+        return {}
+    found: dict[str, list] = {}
+    for index, blend in ((1, config.blend_per_split[1]), (2, config.blend_per_split[2])):
+        for prefix, weight in zip(*blend) if blend else ():
+            entry = found.setdefault(source_of[str(Path(prefix).resolve())], [None, None])
+            if entry[index - 1] is None:
+                entry[index - 1] = ([], [])
+            entry[index - 1][0].append(prefix)
+            entry[index - 1][1].append(weight)
+    return dict(sorted(found.items())) if len(found) > 1 else {}
 
 
 @dataclass

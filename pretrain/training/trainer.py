@@ -204,7 +204,9 @@ class Trainer:
             final_train_loss=train_loss, final_valid_loss=evaluator.last_valid_loss, final_test_loss=test_loss,
             wall_time_s=train_time_s(), steps=state.step, stopped_early=stopped_early,
             preempted=preempted, tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps,
-            trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank())
+            trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank(),
+            final_valid_loss_by_source=evaluator.last_valid_loss_by_source,
+            final_test_loss_by_source=None if preempted else evaluator.test_loss_by_source)
 
     def _allocated_by_rank(self) -> list[dict]:
         """Every rank's optimizer-state and gradient bytes (a collective)."""
