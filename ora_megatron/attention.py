@@ -67,8 +67,11 @@ class SDPACoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None, **_newer_megatron_kwargs):
         # megatron layout [s, b, heads, d] -> SDPA layout [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Without a mask: causal. With one (document masking): megatron's [b, 1, s, s], True where a
+        # query may not attend, causal included; SDPA takes True where it may.
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
+            q, k, v, is_causal=attention_mask is None, scale=self.softmax_scale,
+            attn_mask=None if attention_mask is None else ~attention_mask,
             dropout_p=self.dropout_p if self.training else 0.0,
             enable_gqa=q.size(1) != k.size(1),
         )
@@ -380,9 +383,14 @@ class SynthesizerAttention(MegatronModule):
         s, b = hidden_states.shape[:2]
         value, _ = self.linear_v(hidden_states)  # [s, b, heads·d]
         value = value.view(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, h, s, d]
-        causal = torch.ones(s, s, dtype=torch.bool, device=value.device).triu(1)
-        logits = self.mixing_logits(s).masked_fill(causal, float("-inf"))
+        # megatron's [b, 1, s, s] mask (True: masked; causal and document masking), else causal alone.
+        if attention_mask is None:
+            causal = torch.ones(s, s, dtype=torch.bool, device=value.device).triu(1)
+            logits = self.mixing_logits(s).masked_fill(causal, float("-inf"))  # [h, s, s]
+        else:
+            mixing = self.mixing_logits(s)
+            logits = torch.where(attention_mask, mixing.new_tensor(float("-inf")), mixing)  # [b, h, s, s]
         probs = self.dropout(torch.softmax(logits.float(), dim=-1).to(value.dtype))
-        context = probs.unsqueeze(0).matmul(value)  # [b, h, s, d]
+        context = (probs if probs.dim() == 4 else probs.unsqueeze(0)).matmul(value)  # [b, h, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(context)

@@ -220,7 +220,12 @@ class DataConfig:
     seed: int = 1234
     """Seed of megatron-core's dataset shuffling."""
     eod_mask_loss: bool = False
-    """Leave end-of-document tokens out of the loss."""
+    """Leave end-of-document tokens out of the loss (megatron-core's eod_mask_loss)."""
+    reset_attention_mask: bool = False
+    """Document masking: a token attends only to earlier tokens of its own document in a packed sample
+    (megatron-core's reset_attention_mask; not with parallel.pipeline > 1)."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after every end-of-document token (megatron-core's reset_position_ids)."""
 
     @property
     def sources(self) -> list[str]:
@@ -318,6 +323,9 @@ class RunConfig:
             check(self.optimizer.wsd_decay_steps <= stable_and_decay, "optimizer.wsd_decay_steps",
                   f"{self.optimizer.wsd_decay_steps} is more than the {stable_and_decay} steps between warmup's end "
                   f"and the decay steps ({decay_steps})")
+        for name in ("reset_attention_mask", "reset_position_ids"):  # the pipeline passes one tensor on
+            check(not getattr(self.data, name) or self.parallel.pipeline == 1, f"data.{name}",
+                  "document masks and positions reach the layers with parallel.pipeline 1 only")
         # ZeRO-3 gathers each weight in hooks inside the layers, which a compiled layer would trace.
         check(not (self.train.compile and self.deepspeed.zero_stage == 3), "train.compile",
               "torch.compile of the layers is supported with ZeRO-0/1/2, not with deepspeed.zero_stage=3")

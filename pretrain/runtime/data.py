@@ -75,8 +75,9 @@ def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConf
     return GPTDatasetConfig(
         random_seed=data.seed, sequence_length=cfg.model.seq_length, blend=blend,
         blend_per_split=blend_per_split, split=split, tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=False, path_to_cache=str(cache_dir))
+        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask,
+        path_to_cache=str(cache_dir))
 
 
 def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple[str, list]]:
@@ -205,7 +206,7 @@ def eval_sources(cfg: RunConfig, config: GPTDatasetConfig) -> dict[str, list]:
         return {}
     manifest = read_manifest(cfg)
     root = Path(manifest_path(cfg.data.manifest)).resolve().parent
-    source_of = {str(root / entry["prefix"]): entry["source"] for entry in manifest["datasets"]}
+    source_of = {str(root / entry["prefix"]): entry.get("source", "") for entry in manifest["datasets"]}
     if config.blend_per_split is None:  # cut by ratio: a source's valid part is no blend of whole datasets
         return {}
     found: dict[str, list] = {}
@@ -238,10 +239,19 @@ class BatchOrder:
         return range(start, start + self.micro_batch_size)
 
 
-def collate(dataset, indices, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+BATCH_KEYS = ("tokens", "labels", "loss_mask")
+
+
+def document_keys(cfg: RunConfig) -> tuple[str, ...]:
+    """What a batch carries besides BATCH_KEYS: megatron's per-sample positions and attention mask
+    ([1, s, s], True where masked) under document masking (data.reset_position_ids / reset_attention_mask)."""
+    return (("position_ids",) if cfg.data.reset_position_ids else ()) + (
+        ("attention_mask",) if cfg.data.reset_attention_mask else ())
+
+
+def collate(dataset, indices, pin_memory: bool = False, extra_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     samples = [dataset[i % len(dataset)] for i in indices]
-    keys = ("tokens", "labels", "loss_mask")
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in BATCH_KEYS + extra_keys}
     # Page-locked, the copy to the device runs asynchronously (`non_blocking=True`).
     return {k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch
 
@@ -256,8 +266,9 @@ class StepBatches:
     what would have been read. On CPU the thread would take cores from the model's own threads.
     """
 
-    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder, prefetch: bool = False):
-        self.datasets, self.order, self.prefetch = datasets, order, prefetch
+    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder, prefetch: bool = False,
+                 extra_keys: tuple[str, ...] = ()):
+        self.datasets, self.order, self.prefetch, self.extra_keys = datasets, order, prefetch, extra_keys
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if prefetch else None
         self._ahead: Optional[tuple[tuple[int, int], Future]] = None  # ((step, micro), its batch)
 
@@ -266,7 +277,8 @@ class StepBatches:
 
     def _read(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
         pin = self.prefetch and torch.cuda.is_available()
-        return collate(self.datasets[split], self.order.indices(step, micro), pin_memory=pin)
+        return collate(self.datasets[split], self.order.indices(step, micro), pin_memory=pin,
+                       extra_keys=self.extra_keys)
 
     def micro_batch(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
         if self._reader is None or split != "train":

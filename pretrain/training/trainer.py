@@ -21,7 +21,7 @@ from pretrain.checkpoint.consolidate import imported_qk
 from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
-from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
+from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer, document_keys
 from pretrain.runtime.engine import MegatronMPU, TrainEngine, build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
@@ -67,7 +67,7 @@ class Trainer:
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
         self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
         self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()),
-                                   prefetch=torch.cuda.is_available())
+                                   prefetch=torch.cuda.is_available(), extra_keys=document_keys(cfg))
         self.run_dir = run_dir
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
 
