@@ -58,17 +58,33 @@ def engine_logits(cfg: RunConfig, state: dict) -> torch.Tensor:
     return torch.cat(parts, dim=-1)[..., :256]
 
 
-def _tp2_rank(rank: int, cfg: RunConfig, state: dict) -> torch.Tensor:
-    return engine_logits(cfg, state)
+def _tp2_then_zero3(rank: int, cfg: RunConfig, state: dict) -> list[torch.Tensor]:
+    """The import in a TP2 engine, then (the same two processes regrouped as two data-parallel ranks)
+    in a ZeRO-3 engine, whose parameters are partitioned."""
+    from megatron.core import parallel_state
+
+    tp2 = engine_logits(dataclasses.replace(cfg, parallel=ParallelConfig(tensor=2),
+                                            deepspeed=DeepSpeedConfig(zero_stage=1, zero_with_one_rank=True)), state)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    zero3 = engine_logits(dataclasses.replace(cfg, deepspeed=DeepSpeedConfig(zero_stage=3)), state)
+    return [tp2, zero3]
 
 
-@pytest.mark.parametrize("target", [["model.attention.type=vanilla"], ["train.init_from_qk=draw"],
-                                    ["train.init_from_qk=imported"]], ids=["vanilla", "ora-draw", "ora-imported"])
-def test_an_export_imported_at_tp1_computes_its_source(exported, tmp_path, target):
+@pytest.mark.parametrize("source, target", [
+    ("export", ["model.attention.type=vanilla"]), ("export", ["train.init_from_qk=draw"]),
+    ("export", ["train.init_from_qk=imported"]), ("run dir", ["model.attention.type=vanilla"]),
+    ("checkpoint", ["train.init_from_qk=imported"])],
+    ids=["export-vanilla", "export-ora-draw", "export-ora-imported", "run-dir-vanilla", "checkpoint-ora-imported"])
+def test_an_import_at_tp1_computes_its_source(exported, reference, tmp_path, source, target):
+    """From the export, the run dir, or its last checkpoint: the source model's logits."""
     from ora_megatron.parallel import init_distributed
 
     logits, export_dir = exported
-    plan = plan_import(importing(tmp_path, export_dir, *target))
+    path = {"export": export_dir, "run dir": reference,
+            "checkpoint": RunDir(reference).checkpoint(RunDir(reference).latest_checkpoint())}[source]
+    plan = plan_import(importing(tmp_path, path, *target))
+    assert plan.record["kind"] == ("hugging_face" if source == "export" else "run")
     init_distributed(1, 1, backend="gloo")
     try:
         got = engine_logits(plan.cfg, plan.state)
@@ -77,13 +93,12 @@ def test_an_export_imported_at_tp1_computes_its_source(exported, tmp_path, targe
     assert (got - logits).abs().max() <= 1e-5
 
 
-def test_an_export_imported_at_tp2_computes_its_source(exported, tmp_path):
+def test_an_export_imported_at_tp2_and_under_zero3_computes_its_source(exported, tmp_path):
     logits, export_dir = exported
     plan = plan_import(importing(tmp_path, export_dir, "train.init_from_qk=imported"))
-    cfg = dataclasses.replace(plan.cfg, parallel=ParallelConfig(tensor=2),
-                              deepspeed=DeepSpeedConfig(zero_stage=1, zero_with_one_rank=True))
-    for got in run_on_ranks(_tp2_rank, 2, cfg, plan.state, tensor=2):
-        assert (got - logits).abs().max() <= 1e-5
+    for rank in run_on_ranks(_tp2_then_zero3, 2, plan.cfg, plan.state, tensor=2):
+        for got in rank:
+            assert (got - logits).abs().max() <= 1e-5
 
 
 # ---------------------------------------------------------------------------- resume
@@ -147,3 +162,8 @@ def test_a_run_started_from_imported_weights_resumes_like_an_uninterrupted_one(h
     assert torch.equal(state["layer1.layer.self_attention.linear_qkv.q_weight"], c_attn[:64])
     assert torch.equal(state["layer1.layer.self_attention.linear_qkv.k_weight"], c_attn[64:128])
     assert to_dict(cfg)["train"]["init_from"] == str(source)
+    # Exported again: the tanh GELU it took over is written as the function it computes, and verified.
+    figures = export(run, tmp_path / "hf_again")
+    assert figures["passed"], figures
+    config = json.loads((tmp_path / "hf_again" / "config.json").read_text())
+    assert config["activation_function"] == "gelu_pytorch_tanh"

@@ -46,6 +46,11 @@ def test_another_document_of_the_sample_changes_nothing(family, variant):
                            for t in (packed(first, second), packed(other, second)))
         alone = model(second[None])
     assert torch.equal(logits[0, 6:], changed[0, 6:])
+    model.activation_checkpointing = True  # the recomputing path takes the mask and positions too
+    with torch.no_grad():
+        recomputed = model(packed(first, second)[None], attention_mask=documents(packed(first, second))[0],
+                           position_ids=documents(packed(first, second))[1])
+    assert torch.equal(recomputed, logits)
     assert not torch.allclose(logits[0, :6], changed[0, :6])
     if variant.startswith(("vanilla", "ora")):
         assert (logits[0, 6:] - alone[0]).abs().max() <= 1e-5
