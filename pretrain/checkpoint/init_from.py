@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,9 +53,6 @@ from pretrain.run_dir import RunDir, file_sha256
 VOCAB_KEYS = ("embedding.embedding.word_embeddings.weight", "output.output_layer.weight")
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HF_INDEX = "model.safetensors.index.json"
-# Model settings that change what the model computes without changing any weight's shape: taken over
-# from the source. (Field of ModelConfig; the run's effective value is read through `effective`.)
-NUMERICS = ("activation", "layernorm_epsilon", "rotary_base")
 
 
 class ImportRefused(ValueError):
@@ -158,11 +156,11 @@ def _plan_hf(cfg: RunConfig, source: Path) -> ImportPlan:
     except HFConfigRefused as e:
         raise ImportRefused(f"{config_file}: {e}") from None
     cfg, taken_over = _take_over(cfg, numerics, str(config_file))
+    from safetensors.torch import load_file
+
     weight_files = _hf_weight_files(source)
     hf = {}
     for path in weight_files:
-        from safetensors.torch import load_file
-
         hf.update(load_file(path))
     normalise = getattr(mapping, "normalised_hf_keys", None)
     hf = normalise(hf) if normalise else hf
@@ -404,8 +402,6 @@ def write_import(run_dir: RunDir, plan: ImportPlan) -> None:
 def forget_import(run_dir: RunDir) -> None:
     """A fresh start without train.init_from: an import left by an earlier start that never saved a
     checkpoint is not this run's."""
-    import shutil
-
     run_dir.init_from_record.unlink(missing_ok=True)
     shutil.rmtree(run_dir.init_from_dir, ignore_errors=True)
 

@@ -59,10 +59,11 @@ def saved(tmp_path_factory):
     """family → (transformers model, the directory save_pretrained wrote)."""
     root = tmp_path_factory.mktemp("hf_models")
     models = {}
-    for family in ("gpt2", "llama"):
-        model = hf_model(family)
-        model.save_pretrained(root / family)
-        models[family] = (model, root / family)
+    for name, family, config in (("gpt2", "gpt2", {}), ("llama", "llama", {}),
+                                 ("llama-tied", "llama", {"tie_word_embeddings": True})):
+        model = hf_model(family, **config)
+        model.save_pretrained(root / name)
+        models[name] = (model, root / name)
     return models
 
 
@@ -74,11 +75,14 @@ def our_logits(plan, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow  # a transformers model is built and saved once for the module (seconds)
-@pytest.mark.parametrize("family, taken_over", [("gpt2", {"model.activation": [None, "gelu_tanh"]}),
-                                                ("llama", {"model.layernorm_epsilon": [1e-5, 1e-6]})])
-def test_a_model_transformers_saved_computes_transformers_logits(saved, family, taken_over):
-    """Default configs: GPT-2's tanh GELU and Llama's RMSNorm epsilon 1e-6 are taken over."""
-    model, path = saved[family]
+@pytest.mark.parametrize("name, taken_over", [("gpt2", {"model.activation": [None, "gelu_tanh"]}),
+                                              ("llama", {"model.layernorm_epsilon": [1e-5, 1e-6]}),
+                                              ("llama-tied", {"model.layernorm_epsilon": [1e-5, 1e-6]})])
+def test_a_model_transformers_saved_computes_transformers_logits(saved, name, taken_over):
+    """Default configs: GPT-2's tanh GELU and Llama's RMSNorm epsilon 1e-6 are taken over; a tied Llama's
+    output head is its embedding (which transformers leaves out of the file)."""
+    model, path = saved[name]
+    family = name.split("-")[0]
     plan = plan_import(run_config(family, path))
     assert plan.record["taken_over"] == taken_over and plan.record["kind"] == "hugging_face"
     assert set(plan.record["files"]) == {"config.json", "model.safetensors"}
