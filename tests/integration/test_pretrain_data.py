@@ -18,11 +18,13 @@ def test_trains_from_manifest(trained_runs, shards):
     assert losses[8] < losses[1]
     assert [r.step for r in records(run_dir, "valid")] == [3, 6, 8]
     assert summary(run_dir).final_test_loss is not None
-    # Every evaluation reports each source's loss beside the blend's (the shards hold seven sources).
-    sources = {entry["source"] for entry in load_manifest(str(shards))["datasets"] if entry["split"] == "valid"}
-    assert len(sources) == 7
-    for record in records(run_dir, "valid") + records(run_dir, "test"):
-        assert set(record.sources) == sources and all(math.isfinite(v) for v in record.sources.values())
+    # Every evaluation reports the loss of each source of its split beside the blend's (the small sources
+    # of the shards' seven hold no validation or test document).
+    for split in ("valid", "test"):
+        sources = {entry["source"] for entry in load_manifest(str(shards))["datasets"] if entry["split"] == split}
+        assert len(sources) >= 2
+        for record in records(run_dir, split):
+            assert set(record.sources) == sources and all(math.isfinite(v) for v in record.sources.values())
     final = summary(run_dir)
     assert final.final_valid_loss_by_source == records(run_dir, "valid")[-1].sources
     assert final.final_test_loss_by_source == records(run_dir, "test")[-1].sources
