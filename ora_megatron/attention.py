@@ -67,8 +67,11 @@ class SDPACoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None, **_newer_megatron_kwargs):
         # megatron layout [s, b, heads, d] -> SDPA layout [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Without a mask: causal. With one (document masking): megatron's [b, 1, s, s], True where a
+        # query may not attend, causal included; SDPA takes True where it may.
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
+            q, k, v, is_causal=attention_mask is None, scale=self.softmax_scale,
+            attn_mask=None if attention_mask is None else ~attention_mask,
             dropout_p=self.dropout_p if self.training else 0.0,
             enable_gqa=q.size(1) != k.size(1),
         )
@@ -198,6 +201,9 @@ class RandomQKVLinear(torch.nn.Module):
         _mark_head_sharded(self.q_weight, self.k_weight, self.v_bias)
         self.hadamard = None  # HadamardRows of Q and K, set by generate_qk for ora/hadamard
         self._hadamard_weights_checked = False
+        # Role → the full (all heads) Q or K a run imported instead of drawing (train.init_from_qk:
+        # imported); the reference its frozen copies are checked against, as the draw is otherwise.
+        self.imported_qk: dict[str, torch.Tensor] = {}
 
     def generate_qk(self, layer_number: int) -> None:
         """Fill Q/K from (seed, layer, role), take this rank's heads, set trainability (A2).
@@ -244,7 +250,16 @@ class RandomQKVLinear(torch.nn.Module):
         self.register_buffer("row_mask", row_mask, persistent=False)
 
     def local_weight(self, role: str) -> torch.Tensor:
-        """This rank's heads of the regenerated Q or K weight of this layer."""
+        """This rank's heads of this layer's reference Q or K: the imported one, if the run imported
+        it, else the one regenerated from the seed."""
+        if role in self.imported_qk:
+            rows = (self.heads if role == "q" else self.groups) * self.head_dim
+            rank, _ = tp_rank_size(self.tp_group)
+            return self.imported_qk[role][rank * rows:(rank + 1) * rows].to(self.config.params_dtype)
+        return self.drawn_weight(role)
+
+    def drawn_weight(self, role: str) -> torch.Tensor:
+        """This rank's heads of the Q or K weight of this layer regenerated from (seed, layer, role)."""
         heads = self.config.num_attention_heads if role == "q" else self.config.num_query_groups
         rows = (self.heads if role == "q" else self.groups) * self.head_dim
         rank, _ = tp_rank_size(self.tp_group)
@@ -280,12 +295,24 @@ class RandomQKVLinear(torch.nn.Module):
         if self.q_weight.requires_grad or self.k_weight.requires_grad:
             self._hadamard_weights_checked = False
             return False
-        if not self._hadamard_weights_checked:
+        if not self._hadamard_weights_checked:  # the transforms compute the drawn Q/K, nothing else
             self._hadamard_weights_match = all(
-                torch.equal(w, self.local_weight(role).to(w.device, w.dtype))
+                torch.equal(w, self.drawn_weight(role).to(w.device, w.dtype))
                 for role, w in (("q", self.q_weight), ("k", self.k_weight)))
             self._hadamard_weights_checked = True
         return self._hadamard_weights_match
+
+
+def use_imported_qk(module: torch.nn.Module, tensors: dict[tuple[int, str], torch.Tensor]) -> int:
+    """Make the imported Q/K, `(layer, role)` → full tensor, the reference of every random-Q/K layer
+    of `module` (regenerating and checking frozen Q/K then restores these). Returns how many were set."""
+    count = 0
+    for linear in (m for m in module.modules() if isinstance(m, RandomQKVLinear)):
+        for role in ("q", "k"):
+            if (linear.layer_number, role) in tensors:
+                linear.imported_qk[role] = tensors[(linear.layer_number, role)].detach().cpu()
+                count += 1
+    return count
 
 
 class RandomQKSelfAttention(SelfAttention):
@@ -360,9 +387,14 @@ class SynthesizerAttention(MegatronModule):
         s, b = hidden_states.shape[:2]
         value, _ = self.linear_v(hidden_states)  # [s, b, heads·d]
         value = value.view(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, h, s, d]
-        causal = torch.ones(s, s, dtype=torch.bool, device=value.device).triu(1)
-        logits = self.mixing_logits(s).masked_fill(causal, float("-inf"))
+        # megatron's [b, 1, s, s] mask (True: masked; causal and document masking), else causal alone.
+        if attention_mask is None:
+            causal = torch.ones(s, s, dtype=torch.bool, device=value.device).triu(1)
+            logits = self.mixing_logits(s).masked_fill(causal, float("-inf"))  # [h, s, s]
+        else:
+            mixing = self.mixing_logits(s)
+            logits = torch.where(attention_mask, mixing.new_tensor(float("-inf")), mixing)  # [b, h, s, s]
         probs = self.dropout(torch.softmax(logits.float(), dim=-1).to(value.dtype))
-        context = probs.unsqueeze(0).matmul(value)  # [b, h, s, d]
+        context = (probs if probs.dim() == 4 else probs.unsqueeze(0)).matmul(value)  # [b, h, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(context)

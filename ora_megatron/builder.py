@@ -29,7 +29,7 @@ from ora_megatron.attention import (
     SynthesizerAttention,
     SynthesizerSubmodules,
 )
-from ora_megatron.families import family_of
+from ora_megatron.families import activation_of, family_of
 from ora_megatron.linear import ColumnLinear, RowLinear
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 
@@ -56,7 +56,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         init_method_std=model.init_std,
         layernorm_epsilon=model.layernorm_epsilon,
         normalization=family.normalization,
-        activation_func=family.activation,
+        activation_func=activation_of(model),
         gated_linear_unit=family.gated_mlp,
         add_bias_linear=family.bias,
         tensor_model_parallel_size=parallel.tensor,
@@ -70,9 +70,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         perform_initialization=True,
         # megatron-core's jit-fused bias + dropout + residual add and gated SiLU (the same arithmetic
         # in one kernel) where there is a GPU. Its fused GELU is the tanh approximation, not the
-        # exact GELU the gpt2 family computes (and its export declares): left unfused. The other
-        # fusions need Transformer Engine or apex.
-        bias_activation_fusion=torch.cuda.is_available() and family.gated_mlp and family.activation is F.silu,
+        # exact GELU the gpt2 family computes (and its export declares): left unfused, and so is
+        # model.activation gelu_tanh (never run fused on a GPU here). The other fusions need
+        # Transformer Engine or apex.
+        bias_activation_fusion=torch.cuda.is_available() and family.gated_mlp and activation_of(model) is F.silu,
         bias_dropout_fusion=torch.cuda.is_available(),
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

@@ -22,6 +22,8 @@ QK_VARIANTS = ("vanilla", "ora", "frozen_gaussian", "frozen_uniform")
 FROZEN_QK_INIT = {"ora": "orthogonal", "frozen_gaussian": "gaussian", "frozen_uniform": "uniform"}
 # Random Q/K whose scale is a setting (orthogonal columns have norm 1 by construction).
 SCALED_QK_VARIANTS = ("frozen_gaussian", "frozen_uniform")
+# The MLP activations each family computes; the first is the family's own (model.activation: null).
+ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), "llama": ("silu",)}
 
 
 @dataclass
@@ -110,6 +112,9 @@ class ModelConfig:
     """Epsilon of LayerNorm (gpt2) / RMSNorm (llama)."""
     rotary_base: int = 10000
     """RoPE base frequency (llama only)."""
+    activation: Optional[Literal["gelu", "gelu_tanh", "silu"]] = None
+    """MLP activation; null = the family's (gpt2: exact GELU, llama: SiLU gate); gpt2 also takes
+    gelu_tanh, the tanh approximation of published GPT-2 checkpoints (transformers' gelu_new)."""
     seed: int = 42
     """Seed of every random init, frozen Q/K included: frozen Q/K are a function of (seed, layer, role)."""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -127,6 +132,11 @@ class ModelConfig:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def activation_name(self) -> str:
+        """The MLP activation the model computes: model.activation, or the family's own."""
+        return self.activation or ACTIVATIONS[self.family][0]
+
     def validate(self, key: str) -> None:
         k = f"{key}." if key else ""
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -143,6 +153,8 @@ class ModelConfig:
               f"num_query_groups {self.query_groups}")
         for name in ("hidden_dropout", "attention_dropout"):
             check(0.0 <= getattr(self, name) < 1.0, k + name, "must be in [0, 1)")
+        check(self.activation is None or self.activation in ACTIVATIONS[self.family], k + "activation",
+              f"the {self.family} family computes {' or '.join(ACTIVATIONS[self.family])}, not {self.activation}")
         att = self.attention
         if att.type == "ora":
             check(self.head_dim <= self.hidden_size, k + "kv_channels",

@@ -12,11 +12,12 @@ from megatron.core import parallel_state
 
 
 def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = None,
-                     timeout: datetime.timedelta | None = None) -> None:
+                     timeout: datetime.timedelta | None = None, alone: bool = False) -> None:
     """Join (or create, when launched alone) the process group, then megatron's TP/PP/DP groups.
 
     Under torchrun / the deepspeed launcher the env:// rendezvous is used; a plain `python` run
-    gets a private one-process group so the same code path serves both.
+    gets a private one-process group so the same code path serves both. `alone`: a private group
+    even under a launcher (a launcher's rank 0 building a one-process model before rendezvous).
     """
     if not dist.is_initialized():
         # With CUDA, NCCL for device tensors and gloo for the host-side scalars some collectives use
@@ -25,7 +26,7 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str | None = N
         if torch.cuda.is_available():
             # One device per local rank, chosen before NCCL or any CUDA tensor picks device 0 for all.
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "WORLD_SIZE" in os.environ:
+        if "WORLD_SIZE" in os.environ and not alone:
             dist.init_process_group(backend, timeout=timeout)
         else:
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it even for one process

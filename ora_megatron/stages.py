@@ -53,9 +53,11 @@ class EmbeddingStage(torch.nn.Module):
             max_sequence_length=model.seq_length,
             position_embedding_type=family_of(model).position_embedding)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
-        return self.embedding(tokens, positions)
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`position_ids` [b, s]: each token's position (restarting per document); default 0..s-1."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+        return self.embedding(tokens, position_ids)
 
     @property
     def word_embeddings(self) -> torch.nn.Module:
@@ -76,9 +78,14 @@ class DecoderLayerStage(torch.nn.Module):
             self.rotary = HostRotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
                                               rotary_base=model.rotary_base, use_cpu_initialization=True)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`attention_mask` [b, 1, s, s], True where a query may not attend (causal and document masking
+        in one); `position_ids` [b, s] rotate RoPE by each token's own position. None: causal, 0..s-1."""
         rotary = self.rotary(hidden.size(0)) if self.rotary is not None else None
-        return self.layer(hidden, attention_mask=None, rotary_pos_emb=rotary)[0]
+        if rotary is not None and position_ids is not None:  # [s, 1, 1, d] by position → [s, b, 1, d]
+            rotary = rotary[:, 0, 0][position_ids].transpose(0, 1).unsqueeze(2)
+        return self.layer(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)[0]
 
 
 class FinalNormStage(torch.nn.Module):
@@ -179,15 +186,23 @@ class StagedGPT(torch.nn.Module):
         self.activation_checkpointing = False
         self.fused_loss = linear_cross_entropy  # or its torch.compile'd self (train.compile)
 
-    def forward(self, tokens: torch.Tensor, labels_and_mask=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels_and_mask=None, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`position_ids` [b, s] and `attention_mask` [b, 1, s, s] (True: masked): document masking, as
+        megatron-core's GPTDataset makes them (reset_position_ids, reset_attention_mask); None: causal
+        attention over positions 0..s-1."""
         x = tokens
         *body, (head_name, head_fn) = self.order
         for name, forward_fn in body:
             module = getattr(self, name)
             if forward_fn is not None:
                 x = forward_fn(module, x)
+            elif isinstance(module, EmbeddingStage):
+                x = module(x, position_ids)
             elif self.activation_checkpointing and isinstance(module, DecoderLayerStage):
-                x = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(module, x, attention_mask, position_ids, use_reentrant=False)
+            elif isinstance(module, DecoderLayerStage):
+                x = module(x, attention_mask, position_ids)
             else:
                 x = module(x)
         head = getattr(self, head_name)

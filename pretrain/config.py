@@ -81,6 +81,16 @@ class TrainConfig:
     """A collective that waits longer than this (seconds) fails, so ranks exit when a peer has died."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
     """Fault injection: make the loss non-finite at these (1-based) steps; empty in every real config."""
+    eval_per_source: bool = True
+    """With a data manifest of several sources, each evaluation also reports every source's loss (eval_iters
+    batches of each)."""
+    init_from: Optional[str] = None
+    """Start from these weights, not random ones: a Hugging Face model directory (gpt2/llama, safetensors) or
+    a run dir / checkpoint of this project. Weights only (optimizer, LR schedule, step start afresh); read at
+    the run's first start only."""
+    init_from_qk: Optional[Literal["draw", "imported"]] = None
+    """Required with init_from and random-Q/K attention (ora, frozen_*): draw Q/K as a fresh run does (from
+    model.seed), or take the imported ones (frozen unless attention.train_q/train_k)."""
 
     @property
     def freeze_stages(self) -> list[FreezeStage]:
@@ -125,8 +135,9 @@ class OptimizerConfig:
     """Final learning rate as a fraction of lr, in [0, 1]."""
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to lr."""
-    decay_style: Literal["cosine", "linear", "constant", "cosine_restarts", "polynomial"] = "cosine"
-    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr; cosine_restarts: SGDR)."""
+    decay_style: Literal["cosine", "linear", "constant", "cosine_restarts", "polynomial", "wsd"] = "cosine"
+    """Shape of the decay from lr to lr · min_lr_ratio after warmup (constant: stay at lr; cosine_restarts: SGDR;
+    wsd: warmup-stable-decay, megatron-core's WSD)."""
     decay_steps: Optional[int] = None
     """Step (warmup included) at which the decay reaches lr · min_lr_ratio; null = train.steps."""
     restart_cycle_steps: Optional[int] = None
@@ -135,6 +146,11 @@ class OptimizerConfig:
     """cosine_restarts only: each cycle's peak is the previous one's × this, in (0, 1]."""
     decay_power: float = 1.0
     """polynomial only: the power p of (lr − end) · (1 − t)^p + end, > 0 (1: linear)."""
+    wsd_decay_steps: Optional[int] = None
+    """wsd (required; no other style reads it): steps of the final decay, which ends at decay_steps; before it
+    the LR stays at lr."""
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """wsd only: shape of the final decay (megatron-core's lr_wsd_decay_style)."""
     beta1: float = 0.9
     """AdamW β1, in [0, 1)."""
     beta2: float = 0.98
@@ -156,10 +172,15 @@ class OptimizerConfig:
         if self.decay_style == "cosine_restarts":
             check(self.restart_cycle_steps is not None and self.restart_cycle_steps > 0,
                   f"{key}.restart_cycle_steps", "decay_style cosine_restarts needs a cycle length > 0")
+        if self.decay_style == "wsd":
+            check(self.wsd_decay_steps is not None and self.wsd_decay_steps > 0,
+                  f"{key}.wsd_decay_steps", "decay_style wsd needs the steps of its final decay, > 0")
         # A value the style would not read is refused rather than ignored.
         unread = {"restart_cycle_steps": (self.restart_cycle_steps, None, "cosine_restarts"),
                   "restart_peak_decay": (self.restart_peak_decay, 1.0, "cosine_restarts"),
-                  "decay_power": (self.decay_power, 1.0, "polynomial")}
+                  "decay_power": (self.decay_power, 1.0, "polynomial"),
+                  "wsd_decay_steps": (self.wsd_decay_steps, None, "wsd"),
+                  "wsd_decay_style": (self.wsd_decay_style, "linear", "wsd")}
         for name, (value, unset, style) in unread.items():
             unset_text = "null" if unset is None else unset
             check(self.decay_style == style or value == unset, f"{key}.{name}",
@@ -199,7 +220,12 @@ class DataConfig:
     seed: int = 1234
     """Seed of megatron-core's dataset shuffling."""
     eod_mask_loss: bool = False
-    """Leave end-of-document tokens out of the loss."""
+    """Leave end-of-document tokens out of the loss (megatron-core's eod_mask_loss)."""
+    reset_attention_mask: bool = False
+    """Document masking: a token attends only to earlier tokens of its own document in a packed sample
+    (megatron-core's reset_attention_mask; not with parallel.pipeline > 1)."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after every end-of-document token (megatron-core's reset_position_ids)."""
 
     @property
     def sources(self) -> list[str]:
@@ -287,10 +313,19 @@ class RunConfig:
 
     def validate(self, key: str) -> None:
         validate_model_parallel(self.model, self.parallel)
+        self._validate_init_from()
         decay_steps = self.lr_decay_steps
         check(self.optimizer.warmup_steps < decay_steps, "optimizer.warmup_steps",
               f"{self.optimizer.warmup_steps} must be below the decay steps ({decay_steps}: "
               "optimizer.decay_steps, or train.steps when unset)")
+        if self.optimizer.decay_style == "wsd":
+            stable_and_decay = decay_steps - self.optimizer.warmup_steps
+            check(self.optimizer.wsd_decay_steps <= stable_and_decay, "optimizer.wsd_decay_steps",
+                  f"{self.optimizer.wsd_decay_steps} is more than the {stable_and_decay} steps between warmup's end "
+                  f"and the decay steps ({decay_steps})")
+        for name in ("reset_attention_mask", "reset_position_ids"):  # the pipeline passes one tensor on
+            check(not getattr(self.data, name) or self.parallel.pipeline == 1, f"data.{name}",
+                  "document masks and positions reach the layers with parallel.pipeline 1 only")
         # ZeRO-3 gathers each weight in hooks inside the layers, which a compiled layer would trace.
         check(not (self.train.compile and self.deepspeed.zero_stage == 3), "train.compile",
               "torch.compile of the layers is supported with ZeRO-0/1/2, not with deepspeed.zero_stage=3")
@@ -310,6 +345,24 @@ class RunConfig:
                         bad = [n for n in layers if not 1 <= n <= self.model.num_layers]
                         check(not bad, f"train.freeze_schedule[{i}].{name}",
                               f"layer numbers {bad} outside 1..{self.model.num_layers}")
+
+
+    def _validate_init_from(self) -> None:
+        train, att = self.train, self.model.attention
+        if train.init_from is None:
+            check(train.init_from_qk is None, "train.init_from_qk", "read only with train.init_from: leave it at null")
+            return
+        check(bool(train.init_from.strip()), "train.init_from", "an empty path; null starts from random weights")
+        check(att.uses_qk, "train.init_from",
+              f"attention type '{att.type}' has no Q/K projections to import into (vanilla, ora, frozen_* have)")
+        if att.custom_qkv:
+            check(train.init_from_qk is not None, "train.init_from_qk",
+                  f"attention type '{att.type}' draws its Q/K: choose draw (as a fresh run, from model.seed) or "
+                  "imported (the source's Q/K)")
+        else:
+            check(train.init_from_qk is None, "train.init_from_qk",
+                  f"read only for random-Q/K attention (ora, frozen_*); '{att.type}' imports its trainable Q/K: "
+                  "leave it at null")
 
 
 def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:

@@ -34,6 +34,7 @@ from typing import Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
+from pretrain.checkpoint.init_from import ImportRefused, apply_record, forget_import, plan_import, write_import
 from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
 from pretrain.config import RunConfig, for_world, load_run_config, validate_for_world
 from pretrain.environment import device_environment, keep_offline
@@ -183,6 +184,7 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     # DeepSpeed runs the pipeline; megatron-core only needs its tensor-parallel groups.
     init_distributed(cfg.parallel.tensor, 1, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
     rank = dist.get_rank()
+    cfg = apply_record(cfg, run_dir)  # an import's settings, recorded by the launching process before rendezvous
     # Under an external launcher main() cannot stop early for a finished run: its other ranks are
     # waiting here. Every rank reads the same `latest` (rank 0 settled it before rendezvous).
     finished = nothing_to_train(run_dir, run_dir.latest_checkpoint(), cfg)
@@ -195,10 +197,14 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
         run_dir.write_run_files(to_dict(cfg), deepspeed_config(cfg, grad_accum), versions())
     dist.barrier()
     trainer = Trainer(cfg, run_dir, grad_accum)
-    if trainer.resume() and rank == 0:
-        print(f"run dir: {run_dir.path} (resumed at step {trainer.state.step})", file=sys.stderr)
-    elif rank == 0:
-        print(f"run dir: {run_dir.path}", file=sys.stderr)
+    if trainer.resume():
+        started = f" (resumed at step {trainer.state.step})"
+    elif trainer.import_weights():
+        started = f" (weights from {run_dir.read_init_from()['source']})"
+    else:
+        started = ""
+    if rank == 0:
+        print(f"run dir: {run_dir.path}{started}", file=sys.stderr)
     code = 0
     try:
         summary = trainer.train()
@@ -309,6 +315,13 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
     if args.resume_checked or (under_launcher and os.environ.get("RANK", "0") != "0"):
         return start
     run_dir = RunDir(start.run_dir)
+    # A fresh start's import is checked (read only) before the run dir is locked or created.
+    planned = None
+    if cfg.train.init_from is not None and run_dir.latest_checkpoint() is None:
+        try:
+            planned = plan_import(cfg)
+        except ImportRefused as e:
+            raise StartRefused(str(e)) from e
     # One job per run dir, locked before anything reads or changes it; the lock is held until this
     # process (and the workers it hands it to) end. --check-only tests it, keeping nothing.
     try:
@@ -318,23 +331,49 @@ def prepare(args: argparse.Namespace, under_launcher: bool) -> Start:
             start.lock = run_dir.acquire_lock()
     except (RunDirBusy, OSError) as e:  # OSError: the run dir cannot be created
         raise StartRefused(str(e)) from e
+    # A run that started from imported weights trains the settings its import took over (init_from.json).
+    resumed_cfg = apply_record(cfg, run_dir)
     try:
-        plan = check_resume(run_dir, cfg, world_size)
+        plan = check_resume(run_dir, resumed_cfg, world_size)
         topology_change = None
         if plan.tag is not None:  # (reshard imports DeepSpeed: only for a checkpoint to resume)
             from pretrain.checkpoint.reshard import plan_topology_change
 
-            topology_change = plan_topology_change(run_dir, plan.tag, cfg, world_size)
+            topology_change = plan_topology_change(run_dir, plan.tag, resumed_cfg, world_size)
     except ResumeRefused as e:
         raise StartRefused(str(e)) from e
     for line in plan.notices():
         print(line, file=sys.stderr)
-    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, cfg)
+    if plan.tag is not None:
+        start.cfg = resumed_cfg
+        if cfg.train.init_from is not None:
+            print(f"train.init_from is read at a run's first start only: resuming from {plan.tag}, nothing is "
+                  "imported", file=sys.stderr)
+    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, start.cfg)
+    if plan.tag is None:
+        _prepare_import(start, run_dir, args.check_only, planned)
     if not args.check_only and start.finished is None:
         plan.apply(run_dir)
         if topology_change is not None:  # converted once, here, before any worker starts
             print(topology_change.convert(), file=sys.stderr)
     return start
+
+
+def _prepare_import(start: Start, run_dir: RunDir, check_only: bool, plan=None) -> None:
+    """A fresh start: check and convert train.init_from (unless `plan` did), write it for the workers to
+    load, and take its numerics over into start.cfg; without it, forget an import an earlier start left."""
+    if start.cfg.train.init_from is None:
+        if not check_only:
+            forget_import(run_dir)
+        return
+    try:
+        plan = plan or plan_import(start.cfg)
+    except ImportRefused as e:
+        raise StartRefused(str(e)) from e
+    print(plan.notice(), file=sys.stderr)
+    start.cfg = plan.cfg
+    if not check_only:
+        write_import(run_dir, plan)
 
 
 def check_report(start: Start) -> str:

@@ -245,7 +245,7 @@ def shown(path: Path) -> str:
 def next_steps(flow: Flow) -> str:
     """What to type next, in the activated environment: look at the run, export and sample on their
     own, the same flow on your data, the tests."""
-    run, hf = shown(flow.run), shown(flow.hf)
+    run, hf, tokenizer = shown(flow.run), shown(flow.hf), shown(flow.tokenizer.with_suffix(".model"))
     steps = {
         "the run": [f"cat {run}/summary.json; tail -n 3 {run}/metrics.jsonl",
                     f"tensorboard --logdir {run}/tensorboard"],
@@ -253,6 +253,11 @@ def next_steps(flow: Flow) -> str:
                            "# replaces an earlier export of ours",
                            f"python -m pretrain.export.generate --hf {hf} --prompt {shlex.quote(flow.prompt)} "
                            "--temperature 0.8"],
+        "fine-tune": [f"python -m data_tools.build_shards --input OTHER_CORPUS --tokenizer {tokenizer} "
+                      "--output-dir FT_SHARDS --split-by-source --split train=0.9,valid=0.05,test=0.05",
+                      "python -m pretrain.pretrain_ora --config pretrain/configs/tiny.yaml --nproc-per-node 2 "
+                      f"--set data.manifest=FT_SHARDS/manifest.json --set train.init_from={hf} "
+                      "--set train.init_from_qk=imported --set train.steps=300  # docs/launching.md"],
         "your data": ["python -m data_tools.train_tokenizer --input CORPUS --model-prefix TOK/sp --vocab-size 32000",
                       "python -m data_tools.build_shards --input CORPUS --tokenizer TOK/sp.model --output-dir SHARDS",
                       "DATA_MANIFEST=SHARDS/manifest.json launch/pretrain_ora.sh small  "

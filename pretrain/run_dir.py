@@ -7,6 +7,8 @@
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
       experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep/)
+      init_from.json                                 what the run's first start imported (train.init_from)
+      init_from/weights.safetensors                  those weights, converted to the run's model (fp32)
       evaluations/<name>.json                        one post-training evaluation each (attention, probe, downstream)
       checkpoints/latest                             tag of the newest complete checkpoint
       checkpoints/step00001000/                      DeepSpeed files, train_state.json, rng_rank{r}.pt,
@@ -93,8 +95,11 @@ class EvalRecord:
 
     step: int
     split: str  # "valid" or "test"
-    loss: float
+    loss: float  # of the blend
     ppl: float
+    # Each data source's loss on its own part of the split (a manifest of several sources,
+    # train.eval_per_source); None otherwise.
+    sources: Optional[dict[str, float]] = None
 
 
 Record = Union[TrainRecord, EvalRecord]
@@ -117,6 +122,9 @@ class Summary:
     frozen_params: int
     # Per rank: Adam-state elements/bytes and gradient bytes, read from the live tensors.
     allocated_by_rank: list[dict] = field(default_factory=list)
+    # Each data source's loss at the last validation / the test (EvalRecord.sources); None without them.
+    final_valid_loss_by_source: Optional[dict[str, float]] = None
+    final_test_loss_by_source: Optional[dict[str, float]] = None
 
 
 @dataclass
@@ -257,6 +265,20 @@ class RunDir:
     experiment = _Entry("experiment.yaml")
     evaluations = _Entry("evaluations")
     lock_file = _Entry("run.lock")
+    init_from_record = _Entry("init_from.json")
+    init_from_dir = _Entry("init_from")
+
+    @property
+    def init_from_weights(self) -> Path:
+        """The imported weights as the run's model holds them (pretrain/checkpoint/init_from.py)."""
+        return self.init_from_dir / "weights.safetensors"
+
+    def read_init_from(self) -> Optional[dict]:
+        """The import record of a run that started from other weights (train.init_from), else None."""
+        return json.loads(self.init_from_record.read_text()) if self.init_from_record.is_file() else None
+
+    def write_init_from(self, record: dict) -> None:
+        write_text_atomic(self.init_from_record, json.dumps(record, indent=1) + "\n")
 
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag

@@ -8,6 +8,9 @@ family lives in its own module (the Hugging Face mapping of a family belongs bes
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Callable
+
+import torch.nn.functional as F
 
 from ora_megatron.families import gpt2, gpt2_hf, llama, llama_hf
 from ora_megatron.families.family import Family
@@ -27,4 +30,12 @@ def hf_mapping_of(model: ModelConfig) -> ModuleType:
     return HF_MAPPINGS[model.family]
 
 
-__all__ = ["FAMILIES", "HF_MAPPINGS", "Family", "family_of", "hf_mapping_of"]
+ACTIVATION_FUNCTIONS = {"gelu": F.gelu, "gelu_tanh": gpt2.gelu_tanh, "silu": F.silu}
+
+
+def activation_of(model: ModelConfig) -> Callable:
+    """The MLP activation the model computes (of the gate, when gated): model.activation or the family's."""
+    return ACTIVATION_FUNCTIONS[model.activation_name]
+
+
+__all__ = ["FAMILIES", "HF_MAPPINGS", "Family", "activation_of", "family_of", "hf_mapping_of"]

@@ -8,7 +8,7 @@ Q, K and V as separate tensors (`q_weight`, `k_weight`, `v_weight`, `v_bias`) al
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -53,3 +53,57 @@ def rename(state: dict, table: list[tuple[str, str]], source_prefix: str, target
     """One-to-one renames `{source_prefix}{ours}` → `{target_prefix}{theirs}` from a (ours, theirs) table."""
     return {target_prefix + theirs: state[source_prefix + ours] for ours, theirs in table
             if source_prefix + ours in state}
+
+
+def join_qkv(qkv: QKV, prefix: str, model: ModelConfig, separate_qk: bool, bias: bool) -> dict[str, torch.Tensor]:
+    """The inverse of `split_qkv`: the attention input projection at `prefix` in the model's layout.
+
+    `separate_qk` (the random-Q/K variants): `q_weight`, `k_weight`, `v_weight` and, with `bias`,
+    `v_bias`; Q and K carry no bias there, so theirs are left out (the caller decides whether that
+    is allowed). Otherwise megatron's fused `linear_qkv.weight` (and `.bias`), interleaved per query
+    group as `split_qkv` reads it; a missing bias is zeros."""
+    if separate_qk:
+        out = {f"{prefix}.linear_qkv.q_weight": qkv.q, f"{prefix}.linear_qkv.k_weight": qkv.k,
+               f"{prefix}.linear_qkv.v_weight": qkv.v}
+        if bias:
+            v_bias = qkv.v_bias if qkv.v_bias is not None else qkv.v.new_zeros(qkv.v.size(0))
+            out[f"{prefix}.linear_qkv.v_bias"] = v_bias
+        return out
+    groups = model.query_groups
+
+    def interleave(q, k, v):
+        parts = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
+        return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+    out = {f"{prefix}.linear_qkv.weight": interleave(qkv.q, qkv.k, qkv.v)}
+    if bias:
+        biases = [b if b is not None else w.new_zeros(w.size(0))
+                  for b, w in ((qkv.q_bias, qkv.q), (qkv.k_bias, qkv.k), (qkv.v_bias, qkv.v))]
+        out[f"{prefix}.linear_qkv.bias"] = interleave(*biases)
+    return out
+
+
+class HFConfigRefused(ValueError):
+    """A Hugging Face config holds a setting this project's model cannot compute; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def renamed_back(hf: dict, table: list[tuple[str, str]], our_prefix: str, hf_prefix: str) -> dict:
+    """`rename`'s inverse: `{hf_prefix}{theirs}` → `{our_prefix}{ours}` for every pair of the table."""
+    return {our_prefix + ours: hf[hf_prefix + theirs] for ours, theirs in table}
+
+
+def hf_value(config: dict, key: str, default: Any) -> Any:
+    """A config.json value, or transformers' default where the file leaves it out (None counts as absent)."""
+    value = config.get(key)
+    return default if value is None else value
+
+
+def require(config: dict, key: str, default: Any, wanted: Any, why: str) -> None:
+    """Refuse a config.json setting other than `wanted` (transformers' `default` where absent)."""
+    value = hf_value(config, key, default)
+    if value != wanted:
+        raise HFConfigRefused(key, f"{value!r}: {why}")

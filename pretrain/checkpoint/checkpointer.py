@@ -183,7 +183,8 @@ def _set_rng_state(path: Path) -> None:
 
 
 def restore_frozen_qk(module: torch.nn.Module) -> int:
-    """Regenerate frozen Q/K from (seed, layer, role) and check the loaded copy against them.
+    """Regenerate frozen Q/K from (seed, layer, role) and check the loaded copy against them (a run
+    that imported its Q/K, train.init_from_qk: imported, restores those: RandomQKVLinear.imported_qk).
 
     Frozen Q/K are a function, not state: whatever a checkpoint path did to them (ZeRO-3 or bf16
     round trips, universal checkpoints that skip module state), the regenerated values win. A
@@ -199,9 +200,11 @@ def restore_frozen_qk(module: torch.nn.Module) -> int:
             expected = linear.local_weight(role)
             with GatheredParameters([param], modifier_rank=0):
                 if not matches_regenerated(param.data, expected):
+                    reference = ("the one imported at the run's start (train.init_from_qk: imported)"
+                                 if role in linear.imported_qk else "the one regenerated from model.seed")
                     raise RuntimeError(
                         f"frozen {role.upper()} of layer {linear.layer_number} in the checkpoint differs "
-                        "from the one regenerated from model.seed: different seed or config?")
+                        f"from {reference}: different seed or config?")
                 param.data.copy_(expected.to(param.device, param.dtype))
             checked += 1
     return checked

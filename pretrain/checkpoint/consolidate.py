@@ -33,7 +33,7 @@ import torch.distributed as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from megatron.core import parallel_state
 
-from ora_megatron.attention import RandomQKVLinear
+from ora_megatron.attention import RandomQKVLinear, use_imported_qk
 from ora_megatron.model_config import ParallelConfig
 from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
@@ -96,6 +96,7 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
     checkpoint_dir = Path(checkpoint_dir)
     check_checkpoint_files(checkpoint_dir)  # zero_to_fp32 unpickles without restriction
     reference = reference_model(cfg)
+    use_run_qk(reference, RunDir(checkpoint_dir.parent.parent))
     expected = reference.state_dict()
     tp = cfg.parallel.tensor
     module = None if cfg.deepspeed.zero_stage == 3 else module_weights(cfg, checkpoint_dir)
@@ -151,7 +152,7 @@ def tp1_parallel_state() -> Iterator[None]:
     own_megatron = not parallel_state.model_parallel_is_initialized()
     if not own_megatron and parallel_state.get_tensor_model_parallel_world_size() != 1:
         raise RuntimeError("consolidation builds a TP=1 model: call it outside a tensor-parallel process")
-    init_distributed(1, 1, backend="gloo")
+    init_distributed(1, 1, backend="gloo", alone=True)
     try:
         yield
     finally:
@@ -168,6 +169,36 @@ def reference_model(cfg: RunConfig) -> StagedGPT:
     """
     with tp1_parallel_state(), torch.random.fork_rng(devices=[]):
         return build_staged_gpt(cfg.model, ParallelConfig())
+
+
+QK_KEY = re.compile(r"layer(\d+)\.layer\.self_attention\.linear_qkv\.([qk])_weight")
+
+
+def imported_qk(run_dir: RunDir) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, role) → the full Q or K of a run that imported them at its start (train.init_from_qk:
+    imported; pretrain/checkpoint/init_from.py), which are its reference instead of the draw; else {}."""
+    record = run_dir.read_init_from()
+    if not record or record.get("qk") != "imported":
+        return {}
+    from safetensors import safe_open
+
+    tensors = {}
+    with safe_open(str(run_dir.init_from_weights), framework="pt") as f:
+        for key in f.keys():
+            match = QK_KEY.fullmatch(key)
+            if match:
+                tensors[(int(match.group(1)), match.group(2))] = f.get_tensor(key)
+    return tensors
+
+
+def use_run_qk(reference: StagedGPT, run_dir: RunDir) -> None:
+    """Give a TP=1 reference model the Q/K its run imported, if it imported them (else it keeps the draw)."""
+    tensors = imported_qk(run_dir)
+    if use_imported_qk(reference, tensors):
+        with torch.no_grad():
+            for linear in (m for m in reference.modules() if isinstance(m, RandomQKVLinear)):
+                for role in linear.imported_qk:
+                    getattr(linear, f"{role}_weight").copy_(linear.local_weight(role))
 
 
 def untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> dict[str, torch.Tensor]:

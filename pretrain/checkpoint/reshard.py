@@ -59,9 +59,11 @@ from pretrain.run_dir import RunDir, write_text_atomic
 from pretrain.runtime.ds_internals import (
     MOMENTS,
     base_optimizer,
+    full_fp32_master,
     full_optimizer_state,
     link_optimizer_fragments,
     optimizer_flat_params,
+    set_full_fp32_master,
     set_full_optimizer_state,
     whole_tensor_masters,
 )
@@ -339,6 +341,34 @@ def load_converted(train_engine: TrainEngine, path: Path) -> None:
     _check_optimizer_state(train_engine.ds_engine, loaded, steps)
     train_engine.ds_engine.global_steps = meta["step"]
     train_engine.ds_engine.global_samples = meta["step"] * train_engine.ds_engine.train_batch_size()
+
+
+def load_weights(train_engine: TrainEngine, state: dict[str, torch.Tensor]) -> int:
+    """Set every parameter of this rank from full TP=1 tensors under the stage names (`state`, e.g. the
+    weights a run imports): the module's copy, and for trainable ones the optimizer's fp32 master
+    (ZeRO and mixed precision keep their own), TP-sliced, in any layout. A fresh engine's Adam state
+    does not exist yet and stays so. Every master is read back and must be exactly what was set.
+    Returns the number of parameters set."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    missing = [name for name, _ in train_engine.named_parameters() if name not in state]
+    if missing:
+        raise CheckpointMismatch(f"no weights for the parameter(s) {missing[:5]}")
+    ds_engine, trainable, count = train_engine.ds_engine, [], 0
+    for name, param in train_engine.named_parameters():
+        local = _tp_shard(name, state[name].float(), param, tp_rank, tp_size)
+        _set_weight(param, local)
+        count += 1
+        if param.requires_grad:
+            trainable.append((name, param, local))
+    masters = whole_tensor_masters(ds_engine)
+    for _, param, local in trainable:
+        set_full_fp32_master(ds_engine, param, local, masters)
+    wrong = [name for name, param, local in trainable  # a collective under ZeRO: every rank, same order
+             if not torch.equal(full_fp32_master(param, masters).cpu().flatten().float(), local.flatten().float())]
+    if wrong:
+        raise RuntimeError(f"DeepSpeed's optimizer does not hold the fp32 weights it was given: {wrong[:5]}")
+    return count
 
 
 def _tp_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: int) -> torch.Tensor:

@@ -65,6 +65,10 @@ POLICIES: dict[str, Policy] = {
     "train.steps": Policy(True, "the LR schedule keeps the checkpoint's decay horizon"),
     "train.global_batch_size": Policy(False, "step s reads samples [s·G, (s+1)·G), so another G would skip or "
                                              "repeat data (and change what a step means for the LR schedule)"),
+    "train.init_from": Policy(True, "read at a run's first start only: a resume continues from its checkpoint "
+                                    "and imports nothing"),
+    "train.init_from_qk": Policy(True, "read at a run's first start only (the imported Q/K, if chosen, are the "
+                                       "run's: init_from.json)"),
     "train.freeze_schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
                                            "optimizer state holds that stage's trainable parameters"),
     "optimizer": Policy(False, "the LR schedule and AdamW hyperparameters are restored from the checkpoint, "

@@ -179,6 +179,7 @@ def model_card(cfg: RunConfig, run_dir: RunDir, tag: str, consolidated: Consolid
     arch = hf_mapping_of(cfg.model).ARCHITECTURE
     att = cfg.model.attention
     frozen = consolidated.frozen_qk
+    imported = run_dir.read_init_from() or {}
     lines = [
         "---", "library_name: transformers", f"tags: [{', '.join(sorted({'ora', att.type, cfg.model.family}))}]",
         "---", "",
@@ -192,14 +193,17 @@ def model_card(cfg: RunConfig, run_dir: RunDir, tag: str, consolidated: Consolid
         f"- final validation loss: {valid[-1].loss:.4f} (step {valid[-1].step})" if valid else "- no validation",
         f"- test loss: {test[-1].loss:.4f}" if test else "- no test evaluation at this checkpoint",
         f"- weights: {WEIGHT_SOURCES[consolidated.source]}, consolidated to fp32 from the DeepSpeed checkpoint",
+        *([f"- started from the weights of {imported['source']} (train.init_from)"] if imported else []),
         "", "## Frozen Q/K", "",
     ]
     if frozen:
+        origin = (f"imported from {imported['source']} at the run's start" if imported.get("qk") == "imported" else
+                  f"random, {'orthogonal' if att.type == 'ora' else att.type.removeprefix('frozen_')}, drawn from "
+                  f"model.seed {cfg.model.seed}")
         lines += [
-            f"{len(frozen)} query/key projections were frozen for the whole run (random, "
-            f"{'orthogonal' if att.type == 'ora' else att.type.removeprefix('frozen_')}, drawn from model.seed "
-            f"{cfg.model.seed}): " + ", ".join(f"`{n.split('.')[0]}.{n.rsplit('.', 1)[1][0].upper()}`" for n in frozen)
-            + ".", "", "To keep them frozen when fine-tuning, as in pretraining:", "", "```python",
+            f"{len(frozen)} query/key projections were frozen for the whole run ({origin}): "
+            + ", ".join(f"`{n.split('.')[0]}.{n.rsplit('.', 1)[1][0].upper()}`" for n in frozen) + ".",
+            "", "To keep them frozen when fine-tuning, as in pretraining:", "", "```python",
             *hf_mapping_of(cfg.model).keep_frozen_snippet(cfg.model), "```",
         ]
     else:

@@ -4,6 +4,7 @@ exactly the batches the uninterrupted one would have."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,8 +75,9 @@ def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConf
     return GPTDatasetConfig(
         random_seed=data.seed, sequence_length=cfg.model.seq_length, blend=blend,
         blend_per_split=blend_per_split, split=split, tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=False, path_to_cache=str(cache_dir))
+        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask,
+        path_to_cache=str(cache_dir))
 
 
 def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple[str, list]]:
@@ -176,12 +178,46 @@ def _check_manifest_shards(cfg: RunConfig, manifest: dict) -> None:
 
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
-    """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches)."""
+    """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches), and
+    with train.eval_per_source each source's valid and test datasets, as `source_split(split, source)`."""
     sizes = [cfg.train.train_samples, cfg.train.eval_samples, cfg.train.eval_samples]
     config = dataset_config(cfg, tokenizer, cache_dir)
     cls = MockGPTDataset if cfg.data.mock else GPTDataset
-    datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-    return dict(zip(SPLITS, datasets))
+    datasets = dict(zip(SPLITS, BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()))
+    for source, per_split in eval_sources(cfg, config).items():
+        # Built as a run whose valid/test blends were this source's entries alone would build them.
+        single = dataclasses.replace(config, blend=None, split=None, blend_per_split=[None, *per_split])
+        valid, test = BlendedMegatronDatasetBuilder(cls, [None, *sizes[1:]], lambda: True, single).build()[1:]
+        datasets[source_split("valid", source)], datasets[source_split("test", source)] = valid, test
+    return datasets
+
+
+def source_split(split: str, source: str) -> str:
+    """The key of one source's part of an evaluation split in build_datasets' result."""
+    return f"{split}:{source}"
+
+
+def eval_sources(cfg: RunConfig, config: GPTDatasetConfig) -> dict[str, list]:
+    """Source → [valid blend, test blend] of its entries in the run's blends (prefixes and weights as the
+    manifest gives them; None where the source has none), for a manifest of two or more sources in its
+    valid/test splits and train.eval_per_source. A manifest built without --split (its shards cut by
+    data.split) evaluates the blend only."""
+    if not (cfg.train.eval_per_source and cfg.data.manifest):
+        return {}
+    manifest = read_manifest(cfg)
+    root = Path(manifest_path(cfg.data.manifest)).resolve().parent
+    source_of = {str(root / entry["prefix"]): entry.get("source", "") for entry in manifest["datasets"]}
+    if config.blend_per_split is None:  # cut by ratio: a source's valid part is no blend of whole datasets
+        return {}
+    found: dict[str, list] = {}
+    for index, blend in ((1, config.blend_per_split[1]), (2, config.blend_per_split[2])):
+        for prefix, weight in zip(*blend) if blend else ():
+            entry = found.setdefault(source_of[str(Path(prefix).resolve())], [None, None])
+            if entry[index - 1] is None:
+                entry[index - 1] = ([], [])
+            entry[index - 1][0].append(prefix)
+            entry[index - 1][1].append(weight)
+    return dict(sorted(found.items())) if len(found) > 1 else {}
 
 
 @dataclass
@@ -203,10 +239,19 @@ class BatchOrder:
         return range(start, start + self.micro_batch_size)
 
 
-def collate(dataset, indices, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+BATCH_KEYS = ("tokens", "labels", "loss_mask")
+
+
+def document_keys(cfg: RunConfig) -> tuple[str, ...]:
+    """What a batch carries besides BATCH_KEYS: megatron's per-sample positions and attention mask
+    ([1, s, s], True where masked) under document masking (data.reset_position_ids / reset_attention_mask)."""
+    return (("position_ids",) if cfg.data.reset_position_ids else ()) + (
+        ("attention_mask",) if cfg.data.reset_attention_mask else ())
+
+
+def collate(dataset, indices, pin_memory: bool = False, extra_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     samples = [dataset[i % len(dataset)] for i in indices]
-    keys = ("tokens", "labels", "loss_mask")
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in BATCH_KEYS + extra_keys}
     # Page-locked, the copy to the device runs asynchronously (`non_blocking=True`).
     return {k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch
 
@@ -221,8 +266,9 @@ class StepBatches:
     what would have been read. On CPU the thread would take cores from the model's own threads.
     """
 
-    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder, prefetch: bool = False):
-        self.datasets, self.order, self.prefetch = datasets, order, prefetch
+    def __init__(self, datasets: dict[str, Optional[GPTDataset]], order: BatchOrder, prefetch: bool = False,
+                 extra_keys: tuple[str, ...] = ()):
+        self.datasets, self.order, self.prefetch, self.extra_keys = datasets, order, prefetch, extra_keys
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if prefetch else None
         self._ahead: Optional[tuple[tuple[int, int], Future]] = None  # ((step, micro), its batch)
 
@@ -231,7 +277,8 @@ class StepBatches:
 
     def _read(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
         pin = self.prefetch and torch.cuda.is_available()
-        return collate(self.datasets[split], self.order.indices(step, micro), pin_memory=pin)
+        return collate(self.datasets[split], self.order.indices(step, micro), pin_memory=pin,
+                       extra_keys=self.extra_keys)
 
     def micro_batch(self, split: str, step: int, micro: int) -> dict[str, torch.Tensor]:
         if self._reader is None or split != "train":

@@ -76,6 +76,22 @@ def set_full_optimizer_state(ds_engine: DeepSpeedEngine, param, values: dict[str
         master.copy_(values["fp32"])
 
 
+def full_fp32_master(param, masters) -> torch.Tensor:
+    """The whole fp32 master copy of a trainable parameter (with or without Adam state yet); under ZeRO
+    a collective, as `full_optimizer_state`."""
+    return safe_get_full_fp32_param(param) if masters is None else masters[param].detach()
+
+
+def set_full_fp32_master(ds_engine: DeepSpeedEngine, param, value: torch.Tensor, masters) -> None:
+    """Set the fp32 master copy the optimizer steps for a trainable parameter, before it has any Adam
+    state (weights set into a fresh engine); `full_optimizer_state(...)["fp32"]` reads it back."""
+    if masters is None:
+        safe_set_full_fp32_param(param, value.to(param.device))
+        return
+    with torch.no_grad():
+        masters[param].copy_(value.to(masters[param].device).view(masters[param].shape))
+
+
 def undo_initial_zero_step(ds_engine: DeepSpeedEngine) -> None:
     """Undo the step DeepSpeed's unfused bf16/fp16 optimizer (ZeRO-0) takes with zero gradients when
     it is built (`FP16_UnfusedOptimizer.initialize_optimizer_states`, to create Adam's state early).

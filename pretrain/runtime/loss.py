@@ -22,7 +22,9 @@ def batch_loss(ds_engine: DeepSpeedEngine, batch: dict) -> torch.Tensor:
     # DeepSpeed's plain engine does not move inputs (its pipeline engine does); batches are host tensors.
     tokens, labels, loss_mask = (batch[k].to(ds_engine.device, non_blocking=True)
                                  for k in ("tokens", "labels", "loss_mask"))
-    return ds_engine(tokens, (labels, loss_mask))
+    documents = {k: batch[k].to(ds_engine.device, non_blocking=True)  # document masking (data.reset_*)
+                 for k in ("position_ids", "attention_mask") if k in batch}
+    return ds_engine(tokens, (labels, loss_mask), **documents)
 
 
 def data_parallel_mean(value: torch.Tensor) -> float:

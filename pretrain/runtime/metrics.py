@@ -172,9 +172,10 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
-    def evaluation(self, step: int, split: str, loss: float) -> None:
+    def evaluation(self, step: int, split: str, loss: float, sources: Optional[dict[str, float]] = None) -> None:
         if self.writing:
-            self._write(EvalRecord(step=step, split=split, loss=loss, ppl=math.exp(min(loss, 50.0))))
+            self._write(EvalRecord(step=step, split=split, loss=loss, ppl=math.exp(min(loss, 50.0)),
+                                   sources=sources or None))
 
     def _write(self, record: Record) -> None:
         self.file.append(record)

@@ -107,6 +107,10 @@ class ParamScheduler(OptimizerParamScheduler):
       steps on the LR is min_lr (a cycle the decay steps cut short ends there).
     - `polynomial` (transformers' get_polynomial_decay_schedule_with_warmup):
       (lr − min_lr) · (1 − t / (decay steps − warmup steps))^decay_power + min_lr, then min_lr.
+
+    The config's `wsd` is megatron's own "WSD" (warmup, stable at lr, then a final decay of
+    wsd_decay_steps ending at the decay steps, shaped by lr_wsd_decay_style); its two settings are
+    saved with the state as the added styles' are.
     """
 
     STYLES = ("cosine_restarts", "polynomial")
@@ -137,13 +141,15 @@ class ParamScheduler(OptimizerParamScheduler):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "restart_cycle_steps": self.restart_cycle_steps,
-                "restart_peak_decay": self.restart_peak_decay, "decay_power": self.decay_power}
+                "restart_peak_decay": self.restart_peak_decay, "decay_power": self.decay_power,
+                "wsd_decay_steps": self.wsd_decay_steps, "lr_wsd_decay_style": self.lr_wsd_decay_style}
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Like megatron's own fields: the checkpoint's values win. Set before megatron's load, which
         # steps to the checkpoint's step; a checkpoint without them had a style that reads none.
         for name, what in (("restart_cycle_steps", "restart cycle steps"),
-                           ("restart_peak_decay", "restart peak decay"), ("decay_power", "decay power")):
+                           ("restart_peak_decay", "restart peak decay"), ("decay_power", "decay power"),
+                           ("wsd_decay_steps", "WSD decay steps"), ("lr_wsd_decay_style", "WSD decay style")):
             setattr(self, name, self._check_and_set(getattr(self, name), state_dict.get(name, getattr(self, name)),
                                                     what))
         super().load_state_dict(state_dict)
@@ -152,9 +158,11 @@ class ParamScheduler(OptimizerParamScheduler):
 def lr_scheduler(cfg: RunConfig, optimizer) -> ParamScheduler:
     """Warmup, then the decay style's decay to lr·min_lr_ratio (weight decay constant)."""
     opt = cfg.optimizer
+    wsd = opt.decay_style == "wsd"
     return ParamScheduler(
         optimizer, restart_cycle_steps=opt.restart_cycle_steps, restart_peak_decay=opt.restart_peak_decay,
         decay_power=opt.decay_power, init_lr=0.0, max_lr=opt.lr, min_lr=opt.lr * opt.min_lr_ratio,
         lr_warmup_steps=opt.warmup_steps, lr_decay_steps=cfg.lr_decay_steps,
-        lr_decay_style=opt.decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
-        wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
+        lr_decay_style="WSD" if wsd else opt.decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+        wd_incr_steps=cfg.train.steps, wd_incr_style="constant",
+        wsd_decay_steps=opt.wsd_decay_steps if wsd else None, lr_wsd_decay_style=opt.wsd_decay_style if wsd else None)

@@ -13,13 +13,15 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import get_flattened_grad_norm
 from megatron.core import parallel_state
 
+from ora_megatron.attention import use_imported_qk
 from ora_megatron.config_io import to_dict
-from pretrain.checkpoint import reshard
+from pretrain.checkpoint import init_from, reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
+from pretrain.checkpoint.consolidate import imported_qk
 from pretrain.config import RunConfig
 from pretrain.run_dir import RunDir, Summary
 from pretrain.runtime import accounting
-from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
+from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer, document_keys
 from pretrain.runtime.engine import MegatronMPU, TrainEngine, build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
@@ -57,13 +59,15 @@ class Trainer:
         datasets = build_datasets(cfg, build_tokenizer(cfg), run_dir.data_cache)
         self.state = TrainState()
         self.train_engine: TrainEngine = build_engine(cfg, grad_accum)
+        # Imported Q/K (train.init_from_qk: imported) are the reference frozen ones are restored to.
+        use_imported_qk(self.train_engine.module, imported_qk(run_dir))
         self.param_counts = accounting.parameter_counts(self.train_engine)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (TrainEngine.reports_no_grad_norm)
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
         self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
         self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()),
-                                   prefetch=torch.cuda.is_available())
+                                   prefetch=torch.cuda.is_available(), extra_keys=document_keys(cfg))
         self.run_dir = run_dir
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
 
@@ -91,6 +95,13 @@ class Trainer:
         converted = reshard.converted_checkpoint(self.run_dir, tag, self.cfg, dist.get_world_size())
         self.checkpointer.load(self.train_engine, tag, saved, converted)
         self.state = saved
+        return True
+
+    def import_weights(self) -> bool:
+        """A fresh run's imported weights (train.init_from, converted by the launching process), if any."""
+        if self.run_dir.read_init_from() is None:
+            return False
+        init_from.load_import(self.train_engine, self.run_dir)
         return True
 
     # ------------------------------------------------------------------ one step
@@ -193,7 +204,9 @@ class Trainer:
             final_train_loss=train_loss, final_valid_loss=evaluator.last_valid_loss, final_test_loss=test_loss,
             wall_time_s=train_time_s(), steps=state.step, stopped_early=stopped_early,
             preempted=preempted, tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps,
-            trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank())
+            trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank(),
+            final_valid_loss_by_source=evaluator.last_valid_loss_by_source,
+            final_test_loss_by_source=None if preempted else evaluator.test_loss_by_source)
 
     def _allocated_by_rank(self) -> list[dict]:
         """Every rank's optimizer-state and gradient bytes (a collective)."""

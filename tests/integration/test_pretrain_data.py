@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from manifest_runs import manifest_overrides, manifest_run
 from pretrain_runs import TINY_RUN, arguments, losses_by_step, records, run, summary, write_config
 
-from data_tools.manifest import blend_from_manifest
+from data_tools.manifest import blend_from_manifest, load_manifest
 from pretrain import pretrain_ora
 
 
@@ -16,6 +18,16 @@ def test_trains_from_manifest(trained_runs, shards):
     assert losses[8] < losses[1]
     assert [r.step for r in records(run_dir, "valid")] == [3, 6, 8]
     assert summary(run_dir).final_test_loss is not None
+    # Every evaluation reports the loss of each source of its split beside the blend's (the small sources
+    # of the shards' seven hold no validation or test document).
+    for split in ("valid", "test"):
+        sources = {entry["source"] for entry in load_manifest(str(shards))["datasets"] if entry["split"] == split}
+        assert len(sources) >= 2
+        for record in records(run_dir, split):
+            assert set(record.sources) == sources and all(math.isfinite(v) for v in record.sources.values())
+    final = summary(run_dir)
+    assert final.final_valid_loss_by_source == records(run_dir, "valid")[-1].sources
+    assert final.final_test_loss_by_source == records(run_dir, "test")[-1].sources
 
 
 @pytest.mark.distributed

@@ -24,6 +24,7 @@ from pretrain.research.report.runs import (
     measure_run,
     read_evaluations,
 )
+from pretrain.research.report.sources import sources_markdown, sources_table
 from pretrain.research.report.stats import HOLM_TESTS, PairedComparison, add_holm, compare_paired, spread
 from pretrain.research.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
 from pretrain.research.sweep.spec import SweepError, SweepSpec, load_spec
@@ -530,7 +531,14 @@ def build_report(inputs: Sequence[Path], out: Path, reference: Optional[str] = N
     for (name, metric), by_arm in by_layer.items():
         plots.plot_by_layer(sweep.arms, by_arm, f"{name} {metric}", out / layer_plots[(name, metric)])
     report = out / "report.md"
-    report.write_text(markdown(settings, sweep, tables,
-                               evaluations_markdown(sweep, evaluations, tables["evaluations"], layer_plots),
-                               gaps_text, gaps_definitions))
+    text = markdown(settings, sweep, tables,
+                    evaluations_markdown(sweep, evaluations, tables["evaluations"], layer_plots),
+                    gaps_text, gaps_definitions)
+    per_source = sources_table(sweep.arms, sweep.used)
+    if per_source is not None:  # a manifest of several sources: sources.csv, report.json, a section
+        per_source.write_csv(out)
+        document["tables"]["sources"] = per_source.records()
+        (out / "report.json").write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+        text = text.replace("## Per run\n", sources_markdown(per_source) + "## Per run\n", 1)
+    report.write_text(text)
     return report

@@ -58,7 +58,8 @@ def test_undocumented_field_is_detected():
 def test_types_and_defaults_are_readable():
     rows = {line.split(" | ")[0]: line for line in render(RunConfig).splitlines() if line.startswith("| `")}
     assert "| optional int | `null` |" in rows["| `decay_steps`"]
-    assert "| one of: cosine, linear, constant, cosine_restarts, polynomial | `cosine` |" in rows["| `decay_style`"]
+    styles = "cosine, linear, constant, cosine_restarts, polynomial, wsd"
+    assert f"| one of: {styles} | `cosine` |" in rows["| `decay_style`"]
     assert "| list of int | `[]` |" in rows["| `inject_nonfinite_loss_steps`"]
     assert "| str | required |" in rows["| `path`"]
     assert "[model.attention](#modelattention)" in rows["| `attention`"]

@@ -53,6 +53,7 @@ def test_invalid_value_is_refused_naming_the_key(config, tmp_path, capsys, overr
     (["optimizer.lr=fast"], "optimizer.lr"),
     (["optimizer.warmup_steps=6"], "optimizer.warmup_steps"),
     (["train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=3"], "train.freeze_schedule"),
+    (["parallel.pipeline=2", "data.reset_attention_mask=true"], "data.reset_attention_mask"),
 ])
 def test_config_error_names_key_and_starts_no_worker(config, tmp_path, capsys, monkeypatch, overrides, key):
     """A two-process run's command, refused before it would start its workers."""

@@ -219,5 +219,6 @@ def test_next_steps_name_the_commands_of_this_demo(tmp_path, monkeypatch):
                     "python -m pretrain.export.convert_to_hf --run-dir runs/demo/run --output runs/demo/hf",
                     "python -m pretrain.export.generate --hf runs/demo/hf --prompt 'def main('",
                     "python -m data_tools.build_shards", "DATA_MANIFEST=SHARDS/manifest.json launch/pretrain_ora.sh",
-                    "make test-fast"):
+                    "--tokenizer runs/demo/tokenizer/sp.model --output-dir FT_SHARDS",
+                    "--set train.init_from=runs/demo/hf --set train.init_from_qk=imported", "make test-fast"):
         assert command in text, command

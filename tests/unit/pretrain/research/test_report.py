@@ -587,3 +587,26 @@ def test_an_invalid_gaps_key_is_refused_naming_it(gap_sweep, tmp_path, capsys, g
         main([str(gap_sweep[0]), "--out", str(tmp_path / "out"), "--spec", str(spec)])
     assert exit_info.value.code == 2
     assert f"config error at '{key}'" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_per_source_columns(tmp_path):
+    """Runs whose summaries hold each source's final loss get a table with a column pair per source:
+    mean ± std over seeds, and arm − reference over the paired seeds."""
+    losses = {("vanilla", 1): {"code": 2.0, "prose": 3.0}, ("vanilla", 2): {"code": 2.2, "prose": 3.2},
+              ("ora", 1): {"code": 2.5, "prose": 3.1}, ("ora", 2): {"code": 2.9, "prose": 3.1}}
+    for (arm, seed), by_source in losses.items():
+        run_dir = write_run(tmp_path / "sweep", arm, seed, final_loss=2.5)
+        run_dir.write_summary(dataclasses.replace(run_dir.read_summary(), final_valid_loss_by_source=by_source))
+    out = tmp_path / "report"
+    build_report([tmp_path / "sweep"], out, reference="vanilla", last_k=2)
+    rows = {row["arm"]: row for row in markdown_table((out / "report.md").read_text(),
+                                                      "Final validation loss per data source")}
+    assert rows["vanilla"]["code"] == "2.1000 ± 0.1414" and rows["vanilla"]["code − ref"] == "n/a"
+    assert rows["ora"]["code"] == "2.7000 ± 0.2828" and rows["ora"]["code − ref"] == "0.6000"
+    assert rows["ora"]["prose − ref"] == "0.0000"
+    ora = next(r for r in report_json(out)["tables"]["sources"] if r["arm"] == "ora")
+    assert ora["prose_diff"] == pytest.approx(0.0, abs=1e-12) and (out / "sources.csv").is_file()
+
+
+def test_no_per_source_table_without_sources(report):
+    assert "per data source" not in (report / "report.md").read_text() and not (report / "sources.csv").exists()

@@ -154,6 +154,33 @@ def test_the_same_step_reads_the_same_batch_after_a_restart(mock_run, tokenizer,
     assert not torch.equal(first.micro_batch("train", 3, 1)["tokens"], reseeded.micro_batch("train", 3, 1)["tokens"])
 
 
+def test_document_masking_reaches_the_batches_and_the_model(mock_run, tokenizer, small_mock_corpus, tmp_path,
+                                                            one_process_group):
+    """data.reset_attention_mask / reset_position_ids: megatron-core's mask and positions are collated
+    into the batches and reach the model through DeepSpeed's engine (batch_loss)."""
+    from pretrain.runtime.engine import build_engine
+    from pretrain.runtime.loss import batch_loss, lm_loss
+
+    cfg = dataclasses.replace(mock_run, data=DataConfig(mock=True, reset_attention_mask=True,
+                                                        reset_position_ids=True))
+    batches = StepBatches(data.build_datasets(cfg, tokenizer, tmp_path), BatchOrder(2, 2, dp_rank=0, dp_size=1),
+                          extra_keys=data.document_keys(cfg))
+    eod = tokenizer.eod
+    batch = next(b for b in (batches.micro_batch("train", step, micro) for step in range(5) for micro in range(2))
+                 if bool((b["tokens"][:, :-1] == eod).any()))
+    row, at = (int(i) for i in (batch["tokens"][:, :-1] == eod).nonzero()[0])
+    assert batch["attention_mask"].shape == (2, 1, SEQ, SEQ) and batch["attention_mask"].dtype == torch.bool
+    assert batch["position_ids"][row, at + 1] == 0 and bool(batch["attention_mask"][row, 0, at + 1, at])
+    engine = build_engine(cfg, grad_accum=2)
+    engine.module.eval()
+    with torch.no_grad():
+        loss = batch_loss(engine.ds_engine, batch)
+        direct = lm_loss(engine.module(batch["tokens"], position_ids=batch["position_ids"],
+                                       attention_mask=batch["attention_mask"]), (batch["labels"], batch["loss_mask"]))
+        across = batch_loss(engine.ds_engine, {k: batch[k] for k in ("tokens", "labels", "loss_mask")})
+    assert abs(float(loss) - float(direct)) <= 1e-5 and float(loss) != float(across)
+
+
 # ---------------------------------------------------------------------------- indexed datasets
 FAKE_TOKENIZER = SimpleNamespace(vocab_size=VOCAB)
 

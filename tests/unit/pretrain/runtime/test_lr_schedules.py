@@ -1,6 +1,6 @@
 """The LR schedule's added decay styles (cosine_restarts, polynomial): their closed forms, torch's and
-transformers' own schedules, megatron's styles unchanged, a bitwise resume mid-cycle, config errors
-naming the key, and the presets' plotted schedules."""
+transformers' own schedules, megatron's styles unchanged (its WSD too), a bitwise resume mid-cycle,
+config errors naming the key, and the presets' plotted schedules."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def run_config(**optimizer) -> RunConfig:
 
 RESTARTS = {"decay_style": "cosine_restarts", "restart_cycle_steps": CYCLE, "restart_peak_decay": 0.5}
 POLYNOMIAL = {"decay_style": "polynomial", "decay_power": 2.0}
+WSD_DECAY = 20
+WSD = {"decay_style": "wsd", "wsd_decay_steps": WSD_DECAY, "wsd_decay_style": "cosine"}
 
 
 def optimizer() -> torch.optim.Optimizer:
@@ -112,7 +114,27 @@ def test_megatron_styles_unchanged(style):
     assert lrs(cfg, STEPS + 5) == theirs
 
 
-@pytest.mark.parametrize("schedule, stop", [(RESTARTS, WARMUP + CYCLE + 12), (POLYNOMIAL, 47)])
+@pytest.mark.parametrize("style", ["linear", "cosine", "exponential", "minus_sqrt"])
+def test_wsd_is_megatrons(style):
+    """Warmup, lr until the last wsd_decay_steps, then megatron's decay shape to the minimum, kept after."""
+    lr = lrs(run_config(**{**WSD, "wsd_decay_style": style}), STEPS + 5)
+    opt = optimizer()
+    megatron = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=STEPS,
+        lr_decay_style="WSD", start_wd=0.01, end_wd=0.01, wd_incr_steps=STEPS, wd_incr_style="constant",
+        wsd_decay_steps=WSD_DECAY, lr_wsd_decay_style=style)
+    theirs = [opt.param_groups[0]["lr"]]
+    for _ in range(STEPS + 5):
+        megatron.step(1)
+        theirs.append(opt.param_groups[0]["lr"])
+    assert lr == theirs
+    assert lr[WARMUP:STEPS - WSD_DECAY + 1] == [LR] * (STEPS - WSD_DECAY - WARMUP + 1)  # stable
+    assert lr[STEPS] == pytest.approx(MIN_LR, rel=1e-12) and lr[STEPS + 1:] == [MIN_LR] * 5
+    assert all(a > b for a, b in zip(lr[STEPS - WSD_DECAY:STEPS], lr[STEPS - WSD_DECAY + 1:STEPS + 1]))
+
+
+@pytest.mark.parametrize("schedule, stop", [(RESTARTS, WARMUP + CYCLE + 12), (POLYNOMIAL, 47),
+                                            (WSD, STEPS - WSD_DECAY + 7)])
 def test_resume_mid_cycle_is_bitwise(schedule, stop):
     """A scheduler rebuilt from another's state dict (through JSON, as train_state.json holds it)
     sets the same LR at every later step, across a restart and past the decay's end."""
@@ -122,8 +144,9 @@ def test_resume_mid_cycle_is_bitwise(schedule, stop):
     a.step(stop)
     state = json.loads(json.dumps(a.state_dict()))
     # Built from a config with other values: the checkpoint's win, as for megatron's own fields.
-    changed = {"restart_cycle_steps": 7, "restart_peak_decay": 0.9} if "restart_cycle_steps" in schedule else \
-        {"decay_power": 3.0}
+    changed = ({"restart_cycle_steps": 7, "restart_peak_decay": 0.9} if "restart_cycle_steps" in schedule else
+               {"wsd_decay_steps": 40, "wsd_decay_style": "linear"} if "wsd_decay_steps" in schedule else
+               {"decay_power": 3.0})
     opt_b = optimizer()
     b = lr_scheduler(run_config(**{**schedule, **changed}), opt_b)
     b.load_state_dict(state)
@@ -150,6 +173,12 @@ def test_resume_mid_cycle_is_bitwise(schedule, stop):
      "read only with decay_style cosine_restarts, not linear"),
     ({**RESTARTS, "decay_power": 2.0}, "optimizer.decay_power", "read only with decay_style polynomial"),
     ({"decay_style": "sgdr"}, "optimizer.decay_style", "sgdr"),
+    ({"decay_style": "wsd"}, "optimizer.wsd_decay_steps", "decay_style wsd needs the steps of its final decay"),
+    ({**WSD, "wsd_decay_steps": 91}, "optimizer.wsd_decay_steps", "more than the 90 steps between warmup's end"),
+    ({"decay_style": "cosine", "wsd_decay_steps": 10}, "optimizer.wsd_decay_steps",
+     "read only with decay_style wsd, not cosine: leave it at null"),
+    ({"decay_style": "linear", "wsd_decay_style": "cosine"}, "optimizer.wsd_decay_style",
+     "read only with decay_style wsd, not linear: leave it at linear"),
 ])
 def test_bad_schedule_names_the_key(optimizer_section, key, message):
     with pytest.raises(ConfigError) as err:
@@ -179,5 +208,7 @@ def test_presets_schedules_and_plot(tmp_path):
     assert lr[steps.index(256_000)] == pytest.approx((2e-4 + 1e-5) / 2, rel=1e-12) and lr[-1] == 2e-4 * 0.05
     steps, lr = lr_schedule_plot.schedule(small, stride=1000)
     assert lr[steps.index(52_000)] == pytest.approx((5e-4 + 5e-5) / 2, rel=1e-12) and lr[-1] == 5e-4 * 0.1
-    out = lr_schedule_plot.plot(["small", "base", "large"], tmp_path / "lr.png", stride=1000)
+    steps, lr = lr_schedule_plot.schedule(lr_schedule_plot.preset_config("small-wsd"), stride=1000)
+    assert lr[steps.index(80_000)] == 5e-4 and lr[steps.index(90_000)] == pytest.approx((5e-4 + 5e-5) / 2, rel=1e-12)
+    out = lr_schedule_plot.plot(list(lr_schedule_plot.PLOTTED), tmp_path / "lr.png", stride=1000)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,19 +1,22 @@
 """Evaluator: validation every eval_interval steps and at the last step, on the same fixed batches;
-early stopping after `patience` evaluations without an improvement of min_delta; the test loss."""
+early stopping after `patience` evaluations without an improvement of min_delta; the test loss; each
+data source's loss beside the blend's."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
-from model_fixtures import SEQ
+from model_fixtures import SEQ, tiny_model
 from one_process import tiny_run
 
+from data_tools.manifest import load_manifest
 from pretrain.checkpoint.checkpointer import TrainState
-from pretrain.config import EarlyStopping, TrainConfig
+from pretrain.config import BlendEntry, DataConfig, EarlyStopping, TrainConfig
 from pretrain.run_dir import EvalRecord, RunDir
-from pretrain.runtime.data import BatchOrder, StepBatches
+from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import batch_loss
 from pretrain.runtime.metrics import MetricsLogger
@@ -129,3 +132,55 @@ def test_a_run_without_valid_or_test_split_evaluates_nothing(train_engine, tmp_p
     assert ev.test(train_engine, 10) is None
     assert records(tmp_path, "valid") == records(tmp_path, "test") == []
     assert state == dataclasses.replace(TrainState(), step=3)
+
+
+# ---------------------------------------------------------------------------- per source
+TWO_SOURCES = ("RedPajamaC4", "RedPajamaCommonCrawl")
+
+
+def two_source_manifest(shards, folder):
+    """The suite's shards (seven sources) restricted to two, as a manifest of their own (absolute prefixes)."""
+    manifest = load_manifest(str(shards))
+    source_of = {entry["prefix"]: entry["source"] for entry in manifest["datasets"]}
+    manifest["datasets"] = [{**entry, "prefix": str(shards / entry["prefix"])} for entry in manifest["datasets"]
+                            if entry["source"] in TWO_SOURCES]
+    for split, blend in manifest["blend"].items():
+        kept = [(str(shards / p), w) for p, w in zip(blend["prefixes"], blend["weights"])
+                if source_of[p] in TWO_SOURCES]
+        total = sum(w for _, w in kept)
+        manifest["blend"][split] = {"prefixes": [p for p, _ in kept], "weights": [w / total for _, w in kept]}
+    path = folder / "manifest.json"
+    path.write_text(json.dumps(manifest))
+    return path, manifest
+
+
+def test_each_source_loss_equals_that_source_evaluated_alone(shards, tmp_path):
+    """A manifest of two sources: each source's reported loss is the loss of a run whose validation blend
+    is that source's datasets alone (same batches, same model), and the record carries them."""
+    manifest_file, manifest = two_source_manifest(shards, tmp_path)
+    train = TrainConfig(**BATCHES, steps=10, eval_interval=3, eval_iters=2)
+    cfg = tiny_run("vanilla", model=dataclasses.replace(tiny_model("vanilla"), vocab_size=400), train=train,
+                   data=DataConfig(manifest=str(manifest_file)))
+    engine = build_engine(cfg, grad_accum=GRAD_ACCUM)
+    order = BatchOrder(micro_batch_size=1, grad_accum=GRAD_ACCUM, dp_rank=0, dp_size=1)
+    datasets = build_datasets(cfg, build_tokenizer(cfg), tmp_path / "cache")
+    assert sorted(datasets) == sorted(["train", "valid", "test", *(f"{split}:{source}" for split in ("valid", "test")
+                                                                  for source in TWO_SOURCES)])
+    logger = MetricsLogger(RunDir(tmp_path), cfg, {}, start_step=0)
+    blended = Evaluator(cfg, StepBatches(datasets, order), logger)
+    blended.after_step(engine, TrainState(step=3))
+    by_source = blended.last_valid_loss_by_source
+    assert sorted(by_source) == sorted(TWO_SOURCES)
+    record = records(tmp_path, "valid")[-1]
+    assert record.sources == by_source and record.loss == blended.last_valid_loss
+    source_of = {entry["prefix"]: entry["source"] for entry in manifest["datasets"]}
+    tokenizer = manifest["tokenizer"]["path"]
+    for source in TWO_SOURCES:
+        def entries(split, only=source):
+            blend = manifest["blend"][split]
+            return [BlendEntry(p, w) for p, w in zip(blend["prefixes"], blend["weights"]) if source_of[p] == only]
+        alone = dataclasses.replace(cfg, data=DataConfig(
+            train_blend=[BlendEntry(p, w) for p, w in zip(*manifest["blend"]["train"].values())],
+            valid_blend=entries("valid"), test_blend=entries("test"), tokenizer=tokenizer))
+        alone_datasets = build_datasets(alone, build_tokenizer(alone), tmp_path / "cache")
+        assert Evaluator(alone, StepBatches(alone_datasets, order), logger).loss(engine, "valid") == by_source[source]
