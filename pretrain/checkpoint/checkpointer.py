@@ -47,6 +47,16 @@ class TrainState:
     freeze_stage: int = -1  # -1: the attention config's own trainability
     scheduler: dict = field(default_factory=dict)
     train_time_s: float = 0.0  # training-loop wall time of every segment of the run, up to this checkpoint
+    spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes (train.spike_skip)
+    spike_window: dict = field(default_factory=dict)  # the skip-step window (pretrain/runtime/spikes.py)
+    # [from_step, batches]: from (0-based) step `from_step` on, the data position is that many batches
+    # further on (a rewind skipped them); the batches a step reads are those of data_position(step).
+    data_skips: list = field(default_factory=list)
+    rewinds: list = field(default_factory=list)  # one record per rewind (Trainer._rewind)
+
+    def data_position(self, step: int) -> int:
+        """The (0-based) global batch of the data that (0-based) step `step` trains on."""
+        return step + sum(batches for start, batches in self.data_skips if step >= start)
 
 
 class CheckpointSaveFailed(RuntimeError):
@@ -75,10 +85,13 @@ class Checkpointer:
         self.run_dir, self.cfg = run_dir, cfg
         self.last_saved_step: Optional[int] = None
 
-    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool) -> None:
+    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool) -> bool:
+        """Save if due; whether it saved."""
         due = final or state.step % self.cfg.save_interval == 0
         if due and state.step != self.last_saved_step:
             self.save(train_engine, state)
+            return True
+        return False
 
     def save(self, train_engine: TrainEngine, state: TrainState) -> str:
         """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state.
@@ -137,6 +150,22 @@ class Checkpointer:
 
     def latest(self) -> Optional[str]:
         return self.run_dir.latest_checkpoint()
+
+    def rewound_to(self, tag: str, state: TrainState) -> None:
+        """Once every rank has loaded `tag` again for a rewind, make it the run's checkpoint with the
+        rewind's train state `state` (its data skips and record), re-recorded for integrity; `latest`
+        points at it and the later checkpoints, of the stretch given up, are deleted, so that a job
+        resumed from here on goes the rewound way. Rank 0 writes; a collective."""
+        dist.barrier()
+        if dist.get_rank() == 0:
+            self.run_dir.write_train_state(tag, asdict(state))
+            self.run_dir.write_integrity_record(tag)
+            self.run_dir.set_latest_checkpoint(tag)
+            for later in self.run_dir.checkpoint_tags():
+                if later > tag:
+                    shutil.rmtree(self.run_dir.checkpoint(later), ignore_errors=True)
+        dist.barrier()
+        self.last_saved_step = state.step
 
     def read_state(self, tag: str) -> TrainState:
         return TrainState(**self.run_dir.read_train_state(tag))
