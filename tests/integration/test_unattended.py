@@ -1,12 +1,14 @@
 """A run that needs no one watching, end to end: a killed and a hung worker restart the job, which
 finishes with the losses of an uninterrupted run; skip-step decides the same across a resume; a
-divergence rewinds past the batches that led to it; a run stops with a checkpoint before its wall
-time runs out. The decisions themselves are tested in tests/unit/pretrain/test_supervision.py."""
+divergence rewinds past the batches that led to it; the SLURM job's time-limit signal saves, stops
+and requeues. The decisions themselves are tested in tests/unit/pretrain/test_supervision.py."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,12 +24,14 @@ from pretrain_runs import (
     summary,
     write_config,
 )
-from processes import trainings_in_one_process
+from processes import trainings_in_one_process, wait_for_step
+from slurm_stand_ins import one_node_job
 
 from pretrain.run_dir import RunDir, checkpoint_tag
 
 pytestmark = pytest.mark.distributed
 
+SBATCH = REPO / "launch" / "slurm" / "pretrain_ora.sbatch"
 # Watchdog well above a step's time on a loaded machine (evaluations and saves are not counted), the
 # collective timeout above it, restarts without a long backoff.
 UNATTENDED = ["train.max_restarts=2", "train.restart_backoff_s=0.5", "train.hang_timeout_s=8",
@@ -140,6 +144,37 @@ def test_a_divergence_with_no_checkpoint_to_rewind_to_stops_and_says_why(in_one_
     (stopped,), _, _, run_dir = in_one_process["nowhere to rewind"]
     assert stopped.stop_reason == "diverged" and stopped.steps == 3 and stopped.rewinds == []
     assert RunDir(run_dir).latest_checkpoint() == checkpoint_tag(3)
+
+
+# The launch script the job runs on its node: here the training entry itself (its own supervisor).
+LAUNCH = f"""\
+exec {sys.executable} -m pretrain.pretrain_ora --config "$1" --run-dir "$RUN_DIR" "${{@:2}}"
+"""
+
+
+def test_the_time_limit_signal_saves_a_checkpoint_stops_and_requeues_the_job(tmp_path):
+    """The job's USR1 (--signal=B:USR1@300) reaches the run through srun as SIGTERM: it saves at the
+    end of its step and exits 0, and the job requeues itself, for the same command to resume."""
+    run_dir, requeued = tmp_path / "run", tmp_path / "requeued"
+    variables = {**env(), **one_node_job(tmp_path, LAUNCH), "PYTHONPATH": str(REPO), "RUN_DIR": str(run_dir),
+                 "REQUEUED": str(requeued)}
+    job = subprocess.Popen(["bash", str(SBATCH), str(write_config(tmp_path)), "--set", LONG,
+                            "--set", "train.max_restarts=1"], cwd=REPO, env=variables, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 3, job)
+        job.send_signal(signal.SIGUSR1)
+        _, stderr = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert requeued.read_text() == "requeue 4242\n"
+    last = max(r.step for r in records(run_dir))
+    assert last < 1000 and summary(run_dir).preempted
+    assert RunDir(run_dir).latest_checkpoint() == checkpoint_tag(last)
+    assert "interrupted at step" in stderr and "requeueing job 4242" in stderr
+    assert RunDir(run_dir).read_restarts() == [], "a stop on request is no failure"
 
 
 def test_max_wall_time_stops_with_a_checkpoint_before_the_time_runs_out(in_one_process):
