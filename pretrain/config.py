@@ -72,12 +72,13 @@ class SpikeSkip:
 class Rewind:
     """What a divergence that persists does (train.max_consecutive_skips skipped steps in a row):
     reload the newest checkpoint from before it and skip the data batches that led to it (PaLM's
-    recipe), instead of stopping the run."""
+    recipe: back ~100 steps before a spike, 200-500 batches skipped), instead of stopping the run."""
 
     enabled: bool = False
     """Rewind instead of stopping when train.max_consecutive_skips steps in a row were skipped."""
     skip_batches: int = 200
-    """Global batches skipped from the rewound checkpoint's next one on (at least those up to the divergence)."""
+    """Global batches skipped: those that end with the divergent steps' (all of them at least); the steps before
+    them, from the checkpoint on, train again on their own batches."""
     max_rewinds: int = 3
     """Rewinds in the whole run; one more divergence stops it (status 3, summary.json says why)."""
 
@@ -347,11 +348,15 @@ class LoggingConfig:
 class CheckpointConfig:
     save_interval: int = 100
     """Save every this many steps (and at the last step, on early stop and on SIGTERM/SIGINT)."""
+    save_interval_s: float = 0.0
+    """Also save once this many seconds passed since the last save (0: steps only). A failure loses half an
+    interval on average, so the best interval is a time (Young/Daly), whatever a step takes on this many nodes."""
     keep_last: int = 2
     """Checkpoints kept; older ones are deleted after each save."""
 
     def validate(self, key: str) -> None:
         check(self.save_interval > 0, f"{key}.save_interval", "must be > 0")
+        check(self.save_interval_s >= 0, f"{key}.save_interval_s", "must be >= 0")
         check(self.keep_last >= 1, f"{key}.keep_last", "must be >= 1")
 
 

@@ -78,16 +78,18 @@ def _size_of(folder: Path) -> int:
 
 
 class Checkpointer:
-    """Saves at every `save_interval` steps and once more at a final step (end of training,
-    early stop, preemption, too many skipped steps) — never twice for the same step."""
+    """Saves at every `save_interval` steps, when `save_interval_s` has passed since the last save,
+    and once more at a final step (end of training, early stop, preemption, too many skipped steps,
+    train.max_wall_time) — never twice for the same step."""
 
     def __init__(self, run_dir: RunDir, cfg: CheckpointConfig):
         self.run_dir, self.cfg = run_dir, cfg
         self.last_saved_step: Optional[int] = None
 
-    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool) -> bool:
-        """Save if due; whether it saved."""
-        due = final or state.step % self.cfg.save_interval == 0
+    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool, by_time: bool = False) -> bool:
+        """Save if due (every save_interval steps, at a final step, or `by_time`: save_interval_s has
+        passed since the last save, as every rank agreed); whether it saved."""
+        due = final or by_time or state.step % self.cfg.save_interval == 0
         if due and state.step != self.last_saved_step:
             self.save(train_engine, state)
             return True

@@ -4,9 +4,10 @@ guard whether a spiking update is applied (train.spike_skip); the hang watchdog 
 
 A run of skipped steps (non-finite, or spikes) of train.max_consecutive_skips in a row stops the run,
 or, with train.rewind, rewinds it: the newest intact checkpoint saved before the first of them is
-loaded again, the data batches from its next one on are skipped (at least those up to the
-divergence, train.rewind.skip_batches in all), and training goes on; the rewind is recorded in the
-train state (and so in every later checkpoint), metrics.jsonl and summary.json.
+loaded again, the train.rewind.skip_batches data batches that end with the divergent ones (those
+at least) are skipped, the steps between the checkpoint and them train again on their own batches,
+and training goes on; the rewind is recorded in the train state (and so in every later
+checkpoint), metrics.jsonl and summary.json.
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ class Preemption:
     def _request(self, _signum, _frame) -> None:
         self.requested = True
 
-    def agreed(self, out_of_time: bool = False) -> tuple[bool, bool]:
-        """(a stop was asked of any rank, any rank is out of time): the same on every rank (a collective)."""
+    def agreed(self, out_of_time: bool = False, save_due: bool = False) -> tuple[bool, bool, bool]:
+        """(a stop was asked of any rank, any rank is out of time, any rank's save interval in seconds has
+        passed): the same on every rank (one collective)."""
         if dist.get_world_size() == 1:
-            return self.requested, out_of_time
-        flags = torch.tensor([float(self.requested), float(out_of_time)])
+            return self.requested, out_of_time, save_due
+        flags = torch.tensor([float(self.requested), float(out_of_time), float(save_due)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item())
+        return bool(flags[0].item()), bool(flags[1].item()), bool(flags[2].item())
 
 
 def job_start_time() -> float:
@@ -252,6 +254,7 @@ class Trainer:
         stopped_early = preempted = out_of_time = False
         timer, loss, loss_reduced = IterationTimer(), None, False
         longest_step = longest_save = 0.0  # for train.max_wall_time: what the next step and save may take
+        last_save = time.monotonic()  # for checkpoint.save_interval_s
         skip_reason: Optional[str] = None
         while state.step < cfg.steps:
             with self._aside(timer):  # an engine rebuild at a freeze-schedule boundary is no step's time
@@ -299,13 +302,15 @@ class Trainer:
                 stopped_early = not too_many_skips and evaluator.after_step(self.train_engine, state)
             time_up = cfg.max_wall_time > 0 and (
                 time.time() - job_start + longest_step + longest_save >= cfg.max_wall_time)
-            preempted, out_of_time = preemption.agreed(time_up)
+            every_s = self.cfg.checkpoint.save_interval_s
+            preempted, out_of_time, save_due = preemption.agreed(
+                time_up, every_s > 0 and time.monotonic() - last_save >= every_s)
             final = state.step == cfg.steps or too_many_skips or stopped_early or preempted or out_of_time
             state.train_time_s = train_time_s()
             with self._aside(timer):
                 started = time.monotonic()
-                if self.checkpointer.save_if_due(self.train_engine, state, final=final):
-                    longest_save = max(longest_save, time.monotonic() - started)
+                if self.checkpointer.save_if_due(self.train_engine, state, final=final, by_time=save_due):
+                    longest_save, last_save = max(longest_save, time.monotonic() - started), time.monotonic()
             if too_many_skips:
                 if loss is not None and not loss_reduced:
                     train_loss = self._mean_loss(loss)
@@ -356,8 +361,8 @@ class Trainer:
         return chosen[0]
 
     def _rewind(self, logger: MetricsLogger, reason: Optional[str]) -> bool:
-        """Reload the newest checkpoint from before the current run of skipped steps and skip the data
-        from its next batch on; False when there is no such checkpoint (the run then stops)."""
+        """Reload the newest checkpoint from before the current run of skipped steps and skip the batches
+        that led to it; False when there is no such checkpoint (the run then stops)."""
         before, rewind = self.state, self.cfg.train.rewind
         first_skipped_step = before.step - before.consecutive_skips + 1
         tag = self._checkpoint_before(first_skipped_step)
@@ -369,8 +374,11 @@ class Trainer:
         back_to = step_of_tag(tag)
         self._load(tag)
         after = self.state
-        skip = max(rewind.skip_batches, before.step - back_to)
-        first_batch = after.data_position(back_to) + 1  # 1-based, as the batches of inject_faults
+        # The skip_batches batches that end with the divergence's (all of those at least) are skipped; the
+        # steps between the checkpoint and them train again on their own batches.
+        skip = max(rewind.skip_batches, before.consecutive_skips)
+        start = max(back_to, before.step - skip)  # the (0-based) step that reads the first batch after them
+        first_batch = after.data_position(start) + 1  # 1-based, as the batches of inject_faults
         record = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                   "at_step": before.step, "first_skipped_step": first_skipped_step, "reason": reason,
                   "checkpoint": tag, "back_to_step": back_to, "skipped_batches": [first_batch, first_batch + skip - 1]}
@@ -378,7 +386,7 @@ class Trainer:
         after.skipped_steps, after.spike_skips = before.skipped_steps, before.spike_skips
         after.train_time_s = before.train_time_s
         after.consecutive_skips = 0
-        after.data_skips = [*after.data_skips, [back_to, skip]]
+        after.data_skips = [*after.data_skips, [start, skip]]
         after.rewinds = [*before.rewinds, record]
         self.checkpointer.rewound_to(tag, after)
         logger.event(before.step, "rewind", record)

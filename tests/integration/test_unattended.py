@@ -74,16 +74,19 @@ def test_killed_and_hung_workers_restart_the_job_which_finishes_as_if_uninterrup
 SKIP_STEP = ["train.steps=16", "checkpoint.save_interval=4", "train.spike_skip={enabled: true, window: 8, sigma: 3}",
              "train.inject_faults=[{kind: spike, batch: 12, factor: 100}]"]
 PREEMPTED_AT_9 = "train.inject_faults=[{kind: spike, batch: 12, factor: 100}, {kind: preempt, step: 9}]"
-# Non-finite losses at batches 6 and 7 (2 skipped steps in a row): back to the checkpoint of step 4,
-# skipping batches 5-7; then a second divergence with no checkpoint before it stops the run.
+# Non-finite losses at batches 6 and 7 (2 skipped steps in a row): back to the checkpoint of step 4;
+# step 5 trains on its batch again, batches 6 and 7 are skipped.
 REWIND = ["train.steps=12", "checkpoint.save_interval=4", "checkpoint.keep_last=3", "train.max_consecutive_skips=2",
-          "train.rewind={enabled: true, skip_batches: 3, max_rewinds: 2}",
+          "train.rewind={enabled: true, skip_batches: 2, max_rewinds: 2}",
           "train.inject_faults=[{kind: nan, batch: 6}, {kind: nan, batch: 7}]"]
 NO_CHECKPOINT_BEFORE = ["train.steps=12", "checkpoint.save_interval=4", "train.max_consecutive_skips=2",
                         "train.rewind={enabled: true}",
                         "train.inject_faults=[{kind: nan, batch: 2}, {kind: nan, batch: 3}]"]
 # The job started long ago (ORA_JOB_START=0 in that process): out of time after the first step.
 OUT_OF_TIME = [LONG, "train.max_wall_time=1"]
+# A save every millisecond, and by steps never: every step saves.
+SAVED_BY_TIME = ["train.steps=4", "checkpoint.save_interval=100", "checkpoint.save_interval_s=0.001",
+                 "checkpoint.keep_last=10"]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def in_one_process(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("unattended")
     trainings = {"uninterrupted": (SKIP_STEP, 1), "preempted and resumed": ([*SKIP_STEP, PREEMPTED_AT_9], 2),
                  "rewound": (REWIND, 1), "nowhere to rewind": (NO_CHECKPOINT_BEFORE, 1),
-                 "out of time": (OUT_OF_TIME, 1)}
+                 "out of time": (OUT_OF_TIME, 1), "saved by time": (SAVED_BY_TIME, 1)}
     specs = [(str(root / name.replace(" ", "_")), overrides, segments)
              for name, (overrides, segments) in trainings.items()]
     os.environ["ORA_JOB_START"] = "0"  # inherited by the training process; read by train.max_wall_time only
@@ -124,17 +127,17 @@ def test_skip_step_decides_the_same_across_a_resume(in_one_process):
 def test_a_rewind_skips_the_batches_that_led_to_the_divergence_and_is_recorded(in_one_process):
     (done,), positions, got, run_dir = in_one_process["rewound"]
     assert done.steps == 12 and done.stop_reason is None
-    # Steps 1-7 read batches 1-7 (0-based 0-6); 6 and 7 were skipped; back to step 4, and from there on
-    # batches 8-15: 5, 6 and 7 are never trained on again.
-    assert positions == [*range(7), *range(7, 15)]
+    # Steps 1-7 read batches 1-7 (0-based 0-6); 6 and 7 were skipped; back to step 4: step 5 reads batch 5
+    # again, steps 6-12 batches 8-14: 6 and 7 are never trained on again.
+    assert positions == [*range(7), 4, *range(7, 14)]
     (rewind,) = done.rewinds
     assert {k: rewind[k] for k in ("at_step", "first_skipped_step", "reason", "checkpoint", "back_to_step",
                                    "skipped_batches")} == {
         "at_step": 7, "first_skipped_step": 6, "reason": "non-finite", "checkpoint": "step00000004",
-        "back_to_step": 4, "skipped_batches": [5, 7]}
-    assert [(e.step, e.kind, e.detail["skipped_batches"]) for e in got if e.split == "event"] == [(7, "rewind", [5, 7])]
+        "back_to_step": 4, "skipped_batches": [6, 7]}
+    assert [(e.step, e.kind, e.detail["skipped_batches"]) for e in got if e.split == "event"] == [(7, "rewind", [6, 7])]
     state = RunDir(run_dir).read_train_state(checkpoint_tag(12))
-    assert state["data_skips"] == [[4, 3]] and state["skipped_steps"] == 2 and state["rewinds"] == [rewind]
+    assert state["data_skips"] == [[5, 2]] and state["skipped_steps"] == 2 and state["rewinds"] == [rewind]
     assert RunDir(run_dir).checkpoint_tags() == [checkpoint_tag(step) for step in (4, 8, 12)]
     assert not RunDir(run_dir).verify_checkpoint(checkpoint_tag(4)), "the rewound checkpoint is re-recorded"
     assert RunDir(run_dir).read_train_state(checkpoint_tag(4))["rewinds"] == [rewind]
@@ -182,3 +185,8 @@ def test_max_wall_time_stops_with_a_checkpoint_before_the_time_runs_out(in_one_p
     assert stopped.stop_reason == "max_wall_time" and not stopped.preempted and stopped.steps == 1
     assert stopped.final_test_loss is None
     assert RunDir(run_dir).latest_checkpoint() == checkpoint_tag(1)
+
+
+def test_a_save_interval_in_seconds_saves_whatever_the_step_count(in_one_process):
+    _, _, _, run_dir = in_one_process["saved by time"]
+    assert RunDir(run_dir).checkpoint_tags() == [checkpoint_tag(step) for step in (1, 2, 3, 4)]
