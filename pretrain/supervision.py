@@ -20,7 +20,9 @@ attempt's workers at once: a rank stopped or stuck in a collective cannot run it
 the launchers would give it 30 s to answer a SIGTERM it cannot receive. Before each restart every
 process the attempt left is killed with SIGKILL (which also ends stopped ones) and reaped, so no old
 rank writes the run dir beside the new ones. Workers are the supervisor's descendants whose environment
-has LOCAL_RANK (both launchers set it for their workers, not for themselves).
+has LOCAL_RANK (both launchers set it for their workers, not for themselves; ranks that DeepSpeed's
+SLURM or OpenMPI backend starts through srun or mpirun get theirs later, so only the launcher reaches
+them).
 """
 
 from __future__ import annotations
@@ -300,11 +302,14 @@ class Supervisor:
             started = time.time()
             with OutputTail() as tail, self._hang_watch(started):
                 result = self.launch(attempt)
-                kill_all_under(os.getpid())
+                stopped = result.stop_requested or self.stop_signal is not None
+                succeeded = result.exit_code == 0 and self.ended()
+                if not (stopped or succeeded):  # nothing of the failed attempt may live on beside the next
+                    kill_all_under(os.getpid())
             self._install_handlers()  # an in-process launcher (torchrun) may have replaced them
-            if result.stop_requested or self.stop_signal is not None:
+            if stopped:
                 return 0 if result.exit_code == 0 or self.ended() else result.exit_code
-            if result.exit_code == 0 and self.ended():
+            if succeeded:
                 return 0
             # A rank's own decision (a refusal, a stop the run chose) is the job's, whatever the launcher says.
             chosen = [status for status in result.ranks.values() if status in self.policy.final]
