@@ -326,7 +326,7 @@ def test_slurm_job_runs_two_local_nodes_without_ssh_and_matches_one_process(tmp_
                            SLURM_SUBMIT_DIR=str(REPO), GPUS_PER_NODE="1", RUN_DIR=str(run_dir),
                            MASTER_PORT=str(free_port()))
     out = run_script(["bash", SBATCH, config, "--set", f"logging.wandb_project={HOSTILE}",
-                      "--set", "train.max_restarts=1", "--set", "train.restart_backoff_s=3",
+                      "--set", "train.max_restarts=1", "--set", "train.restart_backoff_s=5",
                       "--set", "train.inject_faults=[{kind: kill, step: 4, rank: 1}]"], variables)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (run_dir / "slurm-4242.hostfile").read_text() == "localhost slots=1\nnode-b slots=1\n"
