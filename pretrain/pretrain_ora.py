@@ -11,6 +11,10 @@ the launching process checks (pretrain/checkpoint/resume_check.py) that the chec
 match their integrity record — falling back to the newest intact one — and that the config
 changes nothing the checkpoint cannot take. `python pretrain/pretrain_ora.py ...` (a file path, as
 DeepSpeed's examples run scripts) works too.
+
+With several processes, or train.max_restarts > 0, this process spawns the workers through
+torchrun and supervises them (pretrain/supervision.py): a failed or hung rank restarts all of them
+from the latest intact checkpoint. Exit statuses: EXIT_* below.
 """
 
 from __future__ import annotations

@@ -330,7 +330,7 @@ class Supervisor:
             if why_not is not None:
                 record.action = "stop"
                 self.run_dir.log_restart(record)
-                self._report_stop(why_not)
+                self._report_stop(why_not, code)
                 return code
             self.run_dir.log_restart(record)
             print(f"restart {attempt + 1} in {record.backoff_s:g} s: {record.cause}; resuming from step "
@@ -417,9 +417,10 @@ class Supervisor:
             cause=cause, hang_dumps=[p.name for p in dumps], log_tail=tail, failed_at_step=self._last_logged_step(),
             resumed_from_step=None, steps_redone=None, seconds_lost=round(time.time() - started, 3), backoff_s=0.0)
 
-    def _report_stop(self, why: str) -> None:
+    def _report_stop(self, why: str, code: int) -> None:
         mine = [r for r in self.run_dir.read_restarts() if r.node_rank == self.node_rank]
         failures = mine[-max(self.policy.streak, 1):]  # the streak that ends the job
-        lines = [f"error: the job stops: {why}. Its failures (restarts.jsonl in {self.run_dir.path}):"]
+        lead = "error: the job stops" if code else "the job ends"
+        lines = [f"{lead}: {why}. Its failures (restarts.jsonl in {self.run_dir.path}):"]
         lines += [f"  attempt {r.attempt} at step {r.failed_at_step}: {r.cause}" for r in failures]
         print("\n".join(lines), file=sys.stderr, flush=True)
