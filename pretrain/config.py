@@ -52,6 +52,74 @@ class EarlyStopping:
 
 
 @dataclass
+class SpikeSkip:
+    """Skip-step (OLMo-core's SkipStepOptimizer rule): an update whose loss or gradient norm lies above
+    the mean + sigma × the standard deviation of the last `window` steps' is not applied."""
+
+    enabled: bool = False
+    """Skip updates whose loss or gradient norm spikes; costs one scalar all-reduce per step."""
+    window: int = 128
+    """Steps whose loss and gradient norm make the statistics; decisions start once half of it is filled."""
+    sigma: float = 6.0
+    """An update is skipped above mean + sigma × std of the window (loss or gradient norm)."""
+
+    def validate(self, key: str) -> None:
+        check(self.window >= 4, f"{key}.window", "must be >= 4")
+        check(self.sigma > 0, f"{key}.sigma", "must be > 0")
+
+
+@dataclass
+class Rewind:
+    """What a divergence that persists does (train.max_consecutive_skips skipped steps in a row):
+    reload the newest checkpoint from before it and skip the data batches that led to it (PaLM's
+    recipe: back ~100 steps before a spike, 200-500 batches skipped), instead of stopping the run."""
+
+    enabled: bool = False
+    """Rewind instead of stopping when train.max_consecutive_skips steps in a row were skipped."""
+    skip_batches: int = 200
+    """Global batches skipped: those that end with the divergent steps' (all of them at least); the steps before
+    them, from the checkpoint on, train again on their own batches."""
+    max_rewinds: int = 3
+    """Rewinds in the whole run; one more divergence stops it (status 3, summary.json says why)."""
+
+    def validate(self, key: str) -> None:
+        check(self.skip_batches >= 1, f"{key}.skip_batches", "must be >= 1")
+        check(self.max_rewinds >= 1, f"{key}.max_rewinds", "must be >= 1")
+
+
+FAULT_KINDS = ("kill", "stop", "crash", "preempt", "spike", "nan")
+PROCESS_FAULTS = ("kill", "stop", "crash", "preempt")
+
+
+@dataclass
+class FaultInjection:
+    """One injected fault (tests and the chaos benchmark; no real config has any)."""
+
+    kind: Literal["kill", "stop", "crash", "preempt", "spike", "nan"] = "kill"
+    """kill: SIGKILL the rank; stop: SIGSTOP it (a hang); crash: raise; preempt: SIGTERM the job;
+    spike: scale the loss by `factor`; nan: make the loss non-finite."""
+    step: Optional[int] = None
+    """kill/stop/crash/preempt: after this (1-based) step has been trained."""
+    batch: Optional[int] = None
+    """spike/nan: while training on this (1-based) global batch of the data (the step, unless a rewind skipped some)."""
+    rank: int = 0
+    """kill/stop/crash/preempt: the rank it happens on."""
+    attempt: Optional[int] = 0
+    """kill/stop/crash/preempt: only in this attempt of the job (0: before any restart); null: in every attempt."""
+    factor: float = 100.0
+    """spike: the loss (and so the gradients) is multiplied by this."""
+
+    def validate(self, key: str) -> None:
+        if self.kind in PROCESS_FAULTS:
+            check(self.step is not None and self.step >= 1 and self.batch is None, f"{key}.step",
+                  f"a {self.kind} fault needs step >= 1 (and no batch)")
+        else:
+            check(self.batch is not None and self.batch >= 1 and self.step is None, f"{key}.batch",
+                  f"a {self.kind} fault needs batch >= 1 (and no step)")
+        check(self.rank >= 0, f"{key}.rank", "must be >= 0")
+
+
+@dataclass
 class TrainConfig:
     micro_batch_size: int = 4
     """Samples per forward/backward pass on each data-parallel rank."""
@@ -76,9 +144,27 @@ class TrainConfig:
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     """Stop on a validation-loss plateau."""
     max_consecutive_skips: int = 5
-    """Steps with a non-finite loss are skipped; this many in a row stops the run."""
+    """Steps with a non-finite loss (or a spike, with spike_skip) are skipped; this many in a row stops the
+    run, or rewinds it (train.rewind)."""
     collective_timeout_s: int = 600
     """A collective that waits longer than this (seconds) fails, so ranks exit when a peer has died."""
+    max_restarts: int = 0
+    """Restarts of a failed job (a dead, killed or hung rank): all ranks start again from the latest intact
+    checkpoint. Counted over failures in a row without a newer checkpoint; statuses 2, 3 and 75 are never
+    retried. 0: a failure ends the job."""
+    restart_backoff_s: float = 10.0
+    """Seconds before a restart, doubled for each further failure in a row without a newer checkpoint."""
+    hang_timeout_s: float = 0.0
+    """A rank that finishes no step for this long (evaluation, checkpoints and start-up not counted) writes
+    every thread's stack to the run dir's hangs/ and exits with status 4. 0: no watchdog; else below
+    collective_timeout_s."""
+    max_wall_time: float = 0.0
+    """Seconds from the job's start: the run saves a checkpoint and stops (status 75) before its next step
+    and save would pass it. 0: no limit."""
+    spike_skip: SpikeSkip = field(default_factory=SpikeSkip)
+    """Loss-spike skip-step."""
+    rewind: Rewind = field(default_factory=Rewind)
+    """Rewind a divergence that persists."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
     """Fault injection: make the loss non-finite at these (1-based) steps; empty in every real config."""
     eval_per_source: bool = True
@@ -91,6 +177,9 @@ class TrainConfig:
     init_from_qk: Optional[Literal["draw", "imported"]] = None
     """Required with init_from and random-Q/K attention (ora, frozen_*): draw Q/K as a fresh run does (from
     model.seed), or take the imported ones (frozen unless attention.train_q/train_k)."""
+    inject_faults: list[FaultInjection] = field(default_factory=list)
+    """Fault injection (tests, the chaos benchmark): process faults at steps, loss faults at data batches;
+    empty in every real config."""
 
     @property
     def freeze_stages(self) -> list[FreezeStage]:
@@ -125,6 +214,17 @@ class TrainConfig:
             check(getattr(self, name) > 0, f"{key}.{name}", "must be > 0")
         check(self.global_batch_size % self.micro_batch_size == 0, f"{key}.global_batch_size",
               f"{self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
+        check(self.max_restarts >= 0, f"{key}.max_restarts", "must be >= 0")
+        for name in ("restart_backoff_s", "hang_timeout_s", "max_wall_time"):
+            check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
+        # The watchdog, which writes the stacks, must fire before a collective with a hung peer times out.
+        check(self.hang_timeout_s < self.collective_timeout_s, f"{key}.hang_timeout_s",
+              f"{self.hang_timeout_s:g} must be below collective_timeout_s ({self.collective_timeout_s}), so that "
+              "the watchdog (which writes every thread's stack) fires before a collective times out")
+        self.spike_skip.validate(f"{key}.spike_skip")
+        self.rewind.validate(f"{key}.rewind")
+        for i, fault in enumerate(self.inject_faults):
+            fault.validate(f"{key}.inject_faults[{i}]")
 
 
 @dataclass
@@ -274,11 +374,15 @@ class LoggingConfig:
 class CheckpointConfig:
     save_interval: int = 100
     """Save every this many steps (and at the last step, on early stop and on SIGTERM/SIGINT)."""
+    save_interval_s: float = 0.0
+    """Also save once this many seconds passed since the last save (0: steps only). A failure loses half an
+    interval on average, so the best interval is a time (Young/Daly), whatever a step takes on this many nodes."""
     keep_last: int = 2
     """Checkpoints kept; older ones are deleted after each save."""
 
     def validate(self, key: str) -> None:
         check(self.save_interval > 0, f"{key}.save_interval", "must be > 0")
+        check(self.save_interval_s >= 0, f"{key}.save_interval_s", "must be >= 0")
         check(self.keep_last >= 1, f"{key}.keep_last", "must be >= 1")
 
 
@@ -393,6 +497,13 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
               "freeze schedules are not supported with pipeline parallelism yet")
         check(not cfg.train.inject_nonfinite_loss_steps, "train.inject_nonfinite_loss_steps",
               "fault injection is implemented for pipeline size 1 only")
+        check(not any(f.kind not in PROCESS_FAULTS for f in cfg.train.inject_faults), "train.inject_faults",
+              "spike and nan faults are implemented for pipeline size 1 only")
+        check(not cfg.train.spike_skip.enabled, "train.spike_skip.enabled",
+              "skip-step is implemented for pipeline size 1 only (the pipeline engine steps inside train_batch)")
+    ranks = [f.rank for f in cfg.train.inject_faults if f.kind in PROCESS_FAULTS]
+    check(all(rank < world_size for rank in ranks), "train.inject_faults",
+          f"a fault names rank {max(ranks, default=0)}, the world size is {world_size}")
     return cfg.train.global_batch_size // per_step
 
 
@@ -412,4 +523,4 @@ def for_world(cfg: RunConfig, world_size: int) -> RunConfig:
 
 
 __all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "data_parallel_size", "ConfigError",
-           "FreezeStage", "PARTIAL_FROZEN"]
+           "FreezeStage", "PARTIAL_FROZEN", "FaultInjection", "SpikeSkip", "Rewind"]

@@ -11,6 +11,10 @@ the launching process checks (pretrain/checkpoint/resume_check.py) that the chec
 match their integrity record — falling back to the newest intact one — and that the config
 changes nothing the checkpoint cannot take. `python pretrain/pretrain_ora.py ...` (a file path, as
 DeepSpeed's examples run scripts) works too.
+
+With several processes, or train.max_restarts > 0, this process spawns the workers through
+torchrun and supervises them (pretrain/supervision.py): a failed or hung rank restarts all of them
+from the latest intact checkpoint. Exit statuses: EXIT_* below.
 """
 
 from __future__ import annotations
@@ -40,10 +44,17 @@ from pretrain.config import RunConfig, for_world, load_run_config, validate_for_
 from pretrain.environment import device_environment, keep_offline
 from pretrain.paths import REPO
 from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
+from pretrain.supervision import Attempt, RestartPolicy, StopJob, Supervisor, become_subreaper
 
 ENTRY_MODULE = "pretrain.pretrain_ora"  # python -m
-EXIT_CONFIG_ERROR = 2
-EXIT_TRAINING_STOPPED = 3
+# Exit statuses of the entry (and of every worker). A supervised job never retries those in FINAL.
+EXIT_CONFIG_ERROR = 2  # refused before training: the message names the key, file or flag
+EXIT_TRAINING_STOPPED = 3  # the run stopped itself: skipped steps or rewinds used up, a checkpoint save failed
+EXIT_HUNG = 4  # a rank's hang watchdog fired (train.hang_timeout_s): its stacks are in the run dir's hangs/
+EXIT_WALL_TIME = 75  # stopped with a checkpoint at train.max_wall_time: the same command resumes (a requeue)
+FINAL = {EXIT_CONFIG_ERROR: "refused", EXIT_TRAINING_STOPPED: "the run stopped itself",
+         EXIT_WALL_TIME: "stopped at train.max_wall_time"}
+STATUS_NAMES = {**FINAL, EXIT_HUNG: "hung", 1: "error"}
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # DeepSpeed's OpenMPI and SLURM backends start every rank themselves (mpirun, srun) and leave the
@@ -89,25 +100,74 @@ def default_run_dir(config_path: str, cfg: RunConfig) -> Path:
     return REPO / "runs" / f"{Path(config_path).stem}-{config_hash(cfg)[:8]}"
 
 
-def _launch_local(args, world_size: int, run_dir: Path, lock: RunDirLock) -> int:
-    """Re-run this script under torchrun with `world_size` local workers, handing them the run dir's lock."""
+def torchrun_attempt(argv: list[str], lock: RunDirLock) -> Attempt:
+    """One launch of the workers through torchrun's elastic agent, in this process: it starts them,
+    watches them and stops all of them when one fails (restarts are the supervisor's: max 0 here)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    argv = [f"--nproc-per-node={world_size}", "--standalone", "--module", ENTRY_MODULE,
-            "--config", args.config, "--run-dir", str(run_dir), "--resume-checked"]
-    for item in args.set:
-        argv += ["--set", item]
+    # A stop signal reaches the workers through the agent, which SIGKILLs them after this many
+    # seconds: time enough to save a checkpoint.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
     try:
         # The workers hold the lock too (as stdin), so it outlives a launcher killed with SIGKILL
         # until they have died of it (die_with_launcher).
         with lock.as_stdin():
             torchrun(argv)
+    except SignalException as e:  # the agent stopped the workers on a stop signal
+        return Attempt(128 + int(e.sigval), stop_requested=True)
+    except ChildFailedError as e:  # workers failed; the agent stopped the others
+        return Attempt(1, ranks={rank: failure.exitcode for rank, failure in e.failures.items()})
     except SystemExit as e:
-        return int(e.code or 0)
-    except Exception as e:  # torchrun's ChildFailedError: a worker failed; others were stopped
+        return Attempt(int(e.code or 0))
+    except Exception as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return Attempt(1)
+    return Attempt(0)
+
+
+def run_ended(run_dir: RunDir) -> bool:
+    """Whether the run's workers ended it deliberately: its summary is that of its latest checkpoint
+    (finished, stopped early or on request, at train.max_wall_time, or nothing left to train)."""
+    tag = run_dir.latest_checkpoint()
+    if tag is None or not run_dir.summary.exists():
+        return False
+    try:
+        return run_dir.read_summary().steps == step_of_tag(tag)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _launch_local(args, start: Start) -> int:
+    """Run this script under torchrun with `world_size` local workers, handing them the run dir's lock,
+    supervised: a failed attempt is restarted as train.max_restarts allows (pretrain/supervision.py)."""
+    argv = [f"--nproc-per-node={start.world_size}", "--standalone", "--max-restarts=0", "--module", ENTRY_MODULE,
+            "--config", args.config, "--run-dir", str(start.run_dir), "--resume-checked"]
+    for item in args.set:
+        argv += ["--set", item]
+    train = start.cfg.train
+    run_dir = RunDir(start.run_dir)
+    become_subreaper()
+    supervisor = Supervisor(
+        run_dir, RestartPolicy(train.max_restarts, train.restart_backoff_s, FINAL),
+        launch=lambda attempt: torchrun_attempt(argv, start.lock), ended=lambda: run_ended(run_dir),
+        prepare_restart=lambda: restart_from(run_dir, start), status_names=STATUS_NAMES)
+    return supervisor.run()
+
+
+def restart_from(run_dir: RunDir, start: Start) -> Optional[str]:
+    """Before a restart: the checkpoint to resume from, checked as at the job's start (prepare)."""
+    try:
+        plan = check_resume(run_dir, start.cfg, start.world_size)
+    except ResumeRefused as e:
+        raise StopJob(EXIT_CONFIG_ERROR, f"cannot restart: {e}") from e
+    if nothing_to_train(run_dir, plan.tag, start.cfg) is not None:
+        raise StopJob(0, "the run has ended")
+    for line in plan.notices():
+        print(line, file=sys.stderr)
+    plan.apply(run_dir)
+    return plan.tag
 
 
 def _git(*args: str) -> str:
@@ -175,6 +235,7 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     from pretrain.checkpoint.checkpointer import CheckpointSaveFailed
     from pretrain.runtime.ds_config import deepspeed_config
     from pretrain.training.trainer import Trainer, TrainingStopped
+    from pretrain.training.watchdog import Watchdog
 
     # Before the first CUDA call, for workers a launcher other than ours started (it set them already).
     for name, value in device_environment(cfg).items():
@@ -196,7 +257,9 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
     if rank == 0:
         run_dir.write_run_files(to_dict(cfg), deepspeed_config(cfg, grad_accum), versions())
     dist.barrier()
-    trainer = Trainer(cfg, run_dir, grad_accum)
+    hang_timeout = cfg.train.hang_timeout_s
+    watchdog = Watchdog(run_dir, rank, hang_timeout, EXIT_HUNG) if hang_timeout > 0 else None
+    trainer = Trainer(cfg, run_dir, grad_accum, watchdog)
     if trainer.resume():
         started = f" (resumed at step {trainer.state.step})"
     elif trainer.import_weights():
@@ -210,17 +273,27 @@ def worker(cfg: RunConfig, run_dir: RunDir, grad_accum: int) -> int:
         summary = trainer.train()
         if rank == 0:
             run_dir.write_summary(summary)
+            saved = run_dir.checkpoint(run_dir.latest_checkpoint())
             if summary.preempted:
-                print(f"interrupted at step {summary.steps}: checkpoint "
-                      f"{run_dir.checkpoint(run_dir.latest_checkpoint())} saved; the same command resumes from it",
-                      file=sys.stderr)
+                print(f"interrupted at step {summary.steps}: checkpoint {saved} saved; the same command resumes "
+                      "from it", file=sys.stderr)
+            elif summary.stop_reason == "max_wall_time":
+                print(f"stopped at step {summary.steps} before train.max_wall_time ({cfg.train.max_wall_time:g} s) "
+                      f"ran out: checkpoint {saved} saved; the same command resumes from it", file=sys.stderr)
+        if summary.stop_reason == "max_wall_time":
+            code = EXIT_WALL_TIME
     except TrainingStopped as e:
         if rank == 0:
+            if e.summary is not None:
+                run_dir.write_summary(e.summary)
             print(f"error: {e}", file=sys.stderr)
         code = EXIT_TRAINING_STOPPED
     except CheckpointSaveFailed as e:  # raised on the ranks whose files could not be written
         print(f"error: {e}", file=sys.stderr)
         code = EXIT_TRAINING_STOPPED
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     if rank == 0:
         print(f"run dir: {run_dir.path}\nmetrics: {run_dir.metrics}\n"
               f"checkpoints: {run_dir.checkpoints}\nsummary: {run_dir.summary}", file=sys.stderr)
@@ -407,9 +480,10 @@ def main(argv=None) -> int:
     if start.finished is not None and not under_launcher:  # no worker needs starting
         print(start.finished, file=sys.stderr)
         return 0
-    if not under_launcher and start.world_size > 1:
+    # Several processes, or restarts (a process cannot restart itself): torchrun's workers, supervised.
+    if not under_launcher and (start.world_size > 1 or start.cfg.train.max_restarts > 0):
         os.environ.update(device_environment(start.cfg))  # torchrun's workers inherit it
-        return _launch_local(args, start.world_size, start.run_dir, start.lock)
+        return _launch_local(args, start)
     return worker(start.cfg, RunDir(start.run_dir), start.grad_accum)
 
 

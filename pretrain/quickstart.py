@@ -89,8 +89,12 @@ class Progress:
         of_steps = f"/{self.steps}" if self.steps else ""
         last_train = max((i for i, r in enumerate(records) if r.split == "train"), default=None)
         for r in (r for i, r in enumerate(records) if r.split != "train" or i == last_train):
-            figures = (f"train loss {r.loss:.3f}, {r.tokens_per_s:,.0f} tokens/s" if r.split == "train"
-                       else f"{r.split} loss {r.loss:.3f} (ppl {r.ppl:.1f})")
+            if r.split == "event":
+                figures = f"{r.kind}: {r.detail.get('cause') or r.detail.get('reason') or ''}"
+            elif r.split == "train":
+                figures = f"train loss {r.loss:.3f}, {r.tokens_per_s:,.0f} tokens/s"
+            else:
+                figures = f"{r.split} loss {r.loss:.3f} (ppl {r.ppl:.1f})"
             print(f"{INDENT}step {r.step}{of_steps}: {figures}", flush=True)
 
 

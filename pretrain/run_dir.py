@@ -6,6 +6,8 @@
       metrics.jsonl                                  one TrainRecord / EvalRecord per line (rank 0)
       summary.json                                   Summary of the finished (or stopped) run
       resume_log.jsonl                               one line per resume: checkpoint, skipped ones, config changes
+      restarts.jsonl                                 one RestartRecord per failure of a supervised job
+      hangs/<time>-step<N>-rank<r>.txt               every thread's stack, written by a rank's hang watchdog
       experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep/)
       init_from.json                                 what the run's first start imported (train.init_from)
       init_from/weights.safetensors                  those weights, converted to the run's model (fp32)
@@ -86,7 +88,48 @@ class TrainRecord:
     # Gradient 2-norm of each stage ({"embedding": …, "layer1": …}) before clipping, at log-interval
     # steps (logging.layer_grad_norms); None where not measured or not finite.
     layer_grad_norms: Optional[dict[str, Optional[float]]] = None
+    # What kept this step's update from being applied: "non-finite", "loss spike" or "grad-norm spike".
+    skip_reason: Optional[str] = None
+    # The run's events so far (every segment and job): updates skipped as spikes, restarts of a failed
+    # job, hangs among those failures, rewinds.
+    spike_skips: int = 0
+    restarts: int = 0
+    hangs: int = 0
+    rewinds: int = 0
     split: str = "train"
+
+
+@dataclass
+class EventRecord:
+    """Something that happened to the run at `step`: a restart (its RestartRecord), a rewind (what was
+    reloaded and which data batches were skipped) or a skipped spike (the loss, the norm, the bounds)."""
+
+    step: int
+    kind: str  # "restart" | "rewind" | "spike"
+    detail: dict = field(default_factory=dict)
+    split: str = "event"
+
+
+@dataclass
+class RestartRecord:
+    """One failure of a supervised job and what its supervisor (pretrain/supervision.py) did about it:
+    one line of restarts.jsonl, written by the process that launched the ranks, never by the dead ones."""
+
+    time: str
+    action: str  # "restart", or "stop": the job ends with this failure (refused, crash loop)
+    host: str
+    node_rank: Optional[int]  # with one launch per node (NODE_RANK), the node that writes it
+    attempt: int  # the attempt that failed: 0 is the job's first launch
+    exit_code: int  # the launcher's
+    ranks: dict[str, str]  # rank -> "exit 4 (hung)", "SIGKILL", ... as the launcher reported them
+    cause: str  # one line
+    hang_dumps: list[str]  # files of hangs/ this failure wrote
+    log_tail: list[str]  # the job's last output lines
+    failed_at_step: Optional[int]  # the last step logged before the failure
+    resumed_from_step: Optional[int]  # the checkpoint the restart resumes from
+    steps_redone: Optional[int]
+    seconds_lost: float  # from the resumed checkpoint's save to the relaunch (the relaunch's start-up comes on top)
+    backoff_s: float
 
 
 @dataclass
@@ -102,7 +145,7 @@ class EvalRecord:
     sources: Optional[dict[str, float]] = None
 
 
-Record = Union[TrainRecord, EvalRecord]
+Record = Union[TrainRecord, EvalRecord, EventRecord]
 
 
 @dataclass
@@ -125,6 +168,13 @@ class Summary:
     # Each data source's loss at the last validation / the test (EvalRecord.sources); None without them.
     final_valid_loss_by_source: Optional[dict[str, float]] = None
     final_test_loss_by_source: Optional[dict[str, float]] = None
+    # Why the run stopped before its last step without a signal: "max_wall_time" (resumable),
+    # "diverged" (rewinds used up) or "non-finite steps"; None when it finished, stopped early or was preempted.
+    stop_reason: Optional[str] = None
+    spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes
+    restarts: int = 0  # restarts of the run's failed jobs (restarts.jsonl)
+    hangs: int = 0  # of those failures, the ones a hang watchdog reported
+    rewinds: list[dict] = field(default_factory=list)  # each rewind: steps, checkpoint, skipped batches
 
 
 @dataclass
@@ -153,7 +203,7 @@ class ExperimentRecord:
 
 
 def _from_json(data: dict) -> Record:
-    cls = TrainRecord if data["split"] == "train" else EvalRecord
+    cls = {"train": TrainRecord, "event": EventRecord}.get(data["split"], EvalRecord)
     return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
@@ -279,6 +329,8 @@ class RunDir:
 
     def write_init_from(self, record: dict) -> None:
         write_text_atomic(self.init_from_record, json.dumps(record, indent=1) + "\n")
+    restarts = _Entry("restarts.jsonl")
+    hangs = _Entry("hangs")
 
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag
@@ -460,6 +512,26 @@ class RunDir:
         if not self.resume_log.exists():
             return []
         return [json.loads(line) for line in self.resume_log.read_text().splitlines() if line]
+
+    # ------------------------------------------------------------------ faults
+    def log_restart(self, record: RestartRecord) -> None:
+        """Append one line to restarts.jsonl."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.restarts, "a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+
+    def read_restarts(self) -> list[RestartRecord]:
+        if not self.restarts.exists():
+            return []
+        return [RestartRecord(**json.loads(line)) for line in self.restarts.read_text().splitlines() if line]
+
+    def hang_dump_file(self, rank: int, step: int) -> Path:
+        stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+        return self.hangs / f"{stamp}-step{step:08d}-rank{rank}.txt"
+
+    def hang_dumps(self) -> list[Path]:
+        """The stack dumps hang watchdogs wrote, oldest first."""
+        return sorted(self.hangs.glob("*.txt")) if self.hangs.is_dir() else []
 
     # ------------------------------------------------------------------ metrics and summary
     def open_metrics(self) -> MetricsFile:

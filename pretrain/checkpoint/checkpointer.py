@@ -47,6 +47,16 @@ class TrainState:
     freeze_stage: int = -1  # -1: the attention config's own trainability
     scheduler: dict = field(default_factory=dict)
     train_time_s: float = 0.0  # training-loop wall time of every segment of the run, up to this checkpoint
+    spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes (train.spike_skip)
+    spike_window: dict = field(default_factory=dict)  # the skip-step window (pretrain/runtime/spikes.py)
+    # [from_step, batches]: from (0-based) step `from_step` on, the data position is that many batches
+    # further on (a rewind skipped them); the batches a step reads are those of data_position(step).
+    data_skips: list = field(default_factory=list)
+    rewinds: list = field(default_factory=list)  # one record per rewind (Trainer._rewind)
+
+    def data_position(self, step: int) -> int:
+        """The (0-based) global batch of the data that (0-based) step `step` trains on."""
+        return step + sum(batches for start, batches in self.data_skips if step >= start)
 
 
 class CheckpointSaveFailed(RuntimeError):
@@ -68,17 +78,22 @@ def _size_of(folder: Path) -> int:
 
 
 class Checkpointer:
-    """Saves at every `save_interval` steps and once more at a final step (end of training,
-    early stop, preemption, too many skipped steps) — never twice for the same step."""
+    """Saves at every `save_interval` steps, when `save_interval_s` has passed since the last save,
+    and once more at a final step (end of training, early stop, preemption, too many skipped steps,
+    train.max_wall_time) — never twice for the same step."""
 
     def __init__(self, run_dir: RunDir, cfg: CheckpointConfig):
         self.run_dir, self.cfg = run_dir, cfg
         self.last_saved_step: Optional[int] = None
 
-    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool) -> None:
-        due = final or state.step % self.cfg.save_interval == 0
+    def save_if_due(self, train_engine: TrainEngine, state: TrainState, *, final: bool, by_time: bool = False) -> bool:
+        """Save if due (every save_interval steps, at a final step, or `by_time`: save_interval_s has
+        passed since the last save, as every rank agreed); whether it saved."""
+        due = final or by_time or state.step % self.cfg.save_interval == 0
         if due and state.step != self.last_saved_step:
             self.save(train_engine, state)
+            return True
+        return False
 
     def save(self, train_engine: TrainEngine, state: TrainState) -> str:
         """Model + optimizer through DeepSpeed, then train_state.json and every rank's RNG state.
@@ -137,6 +152,22 @@ class Checkpointer:
 
     def latest(self) -> Optional[str]:
         return self.run_dir.latest_checkpoint()
+
+    def rewound_to(self, tag: str, state: TrainState) -> None:
+        """Once every rank has loaded `tag` again for a rewind, make it the run's checkpoint with the
+        rewind's train state `state` (its data skips and record), re-recorded for integrity; `latest`
+        points at it and the later checkpoints, of the stretch given up, are deleted, so that a job
+        resumed from here on goes the rewound way. Rank 0 writes; a collective."""
+        dist.barrier()
+        if dist.get_rank() == 0:
+            self.run_dir.write_train_state(tag, asdict(state))
+            self.run_dir.write_integrity_record(tag)
+            self.run_dir.set_latest_checkpoint(tag)
+            for later in self.run_dir.checkpoint_tags():
+                if later > tag:
+                    shutil.rmtree(self.run_dir.checkpoint(later), ignore_errors=True)
+        dist.barrier()
+        self.last_saved_step = state.step
 
     def read_state(self, tag: str) -> TrainState:
         return TrainState(**self.run_dir.read_train_state(tag))

@@ -23,6 +23,13 @@ deepspeed command is printed on stdout, quoted so that it can be pasted, then ex
 paths in CONFIG, RUN_DIR, HOSTFILE and DATA_MANIFEST are relative to where the user ran the
 script (ORA_CALLER_DIR, set by the script; else the current directory).
 
+The launch then supervises DeepSpeed's launcher (pretrain/supervision.py), on every node that runs
+this script: when a rank fails (a crash, a kill, a hang its watchdog reports, a collective timeout),
+the node's processes are killed and DeepSpeed's launcher starts again, resuming from the latest intact
+checkpoint, as train.max_restarts allows; SIGTERM, SIGINT or SIGUSR1 make the workers save and stop.
+In NODE_RANK mode each node restarts its own ranks; a failed rank makes the others fail (a collective
+error, or their watchdogs), so every node restarts, and the ranks meet again at MASTER_ADDR.
+
 Started by DeepSpeed's launcher as its worker (`deepspeed --no_python [options]
 launch/pretrain_ora.sh PRESET ...`: LOCAL_RANK and WORLD_SIZE are set), it runs the training
 entry itself with the same arguments.
@@ -36,6 +43,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
@@ -43,6 +51,16 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from pretrain.environment import device_environment
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
 from pretrain.paths import REPO, preset_names, preset_path
+from pretrain.run_dir import RunDir
+from pretrain.supervision import (
+    ATTEMPT_VARIABLE,
+    JOB_START_VARIABLE,
+    SUPERVISOR_VARIABLE,
+    Attempt,
+    RestartPolicy,
+    Supervisor,
+    become_subreaper,
+)
 
 if TYPE_CHECKING:
     from pretrain.pretrain_ora import Start
@@ -59,7 +77,7 @@ SET_BY_VARIABLE = {"TP": "parallel.tensor", "PP": "parallel.pipeline", "ZERO_STA
 # Variables the other nodes' ranks get through DeepSpeed's environment file: PATH so that they run
 # the same tools (DeepSpeed already assumes the same paths on every node: it starts its own Python
 # there), the NCCL settings below, and the thread count.
-FORWARDED = ("PATH", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
+FORWARDED = ("PATH", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", JOB_START_VARIABLE)
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
 # pdsh hands DeepSpeed's command to the remote shell, and DeepSpeed only wraps arguments that
 # contain a space in double quotes (multinode_runner.py, PDSHRunner): anything else that shell
@@ -344,7 +362,24 @@ def launch(args: list[str], env: Environment) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         env_file.write_text("\n".join(environment) + "\n")
     print(printed_command(command, variables), flush=True)
-    os.execvpe(command[0], command, {**env.environ, **variables})
+    return supervise(command, {**env.environ, **variables}, start, topology)
+
+
+def supervise(command: list[str], environment: dict[str, str], start: Start, topology: Topology) -> int:
+    """Run DeepSpeed's launcher until the run ends, restarting it after a failure (train.max_restarts)."""
+    from pretrain.pretrain_ora import FINAL, STATUS_NAMES, run_ended
+
+    train, run_dir = start.cfg.train, RunDir(start.run_dir)
+
+    def launch(attempt: int) -> Attempt:
+        supervised = {name: os.environ[name] for name in (ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE)}
+        process = subprocess.Popen(command, env={**environment, **supervised})
+        return Attempt(process.wait())
+
+    become_subreaper()
+    supervisor = Supervisor(run_dir, RestartPolicy(train.max_restarts, train.restart_backoff_s, FINAL), launch,
+                            ended=lambda: run_ended(run_dir), status_names=STATUS_NAMES, node_rank=topology.node_rank)
+    return supervisor.run()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -353,6 +388,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(__doc__)
         return 0
     environ = os.environ
+    environ.setdefault(JOB_START_VARIABLE, repr(time.time()))  # for the workers of every node (train.max_wall_time)
     env = Environment(environ, Path(environ.get("ORA_CALLER_DIR") or os.getcwd()))
     os.chdir(REPO)
     set_nccl_defaults(environ)

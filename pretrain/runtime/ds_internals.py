@@ -206,6 +206,20 @@ def keep_fp32_clip_norm(ds_engine: DeepSpeedEngine, record: Callable[[torch.Tens
     ds_engine.clip_fp32_gradients = clip_fp32_gradients
 
 
+def step_grad_norm(ds_engine: DeepSpeedEngine) -> Optional[float]:
+    """The global gradient norm (before clipping) of the step DeepSpeed is taking, for code that the torch
+    optimizer's `step()` calls (pretrain/runtime/spikes.py); None where DeepSpeed computes none.
+
+    `get_global_grad_norm()` is the engine's copy, taken after the step. Every wrapper (ZeRO-1/2/3,
+    the bf16 and fp16 optimizers) sets its `_global_grad_norm` before it calls the torch optimizer;
+    without a wrapper (ZeRO-0 in fp32) the norm the engine clipped with is the one handed to
+    SkippingAdamW (`keep_fp32_clip_norm`), pending until its step consumes it.
+    """
+    wrapper = ds_engine.optimizer
+    norm = getattr(wrapper, "_pending_norm" if wrapper is base_optimizer(ds_engine) else "_global_grad_norm", None)
+    return None if norm is None else float(norm)
+
+
 def full_numel(param: torch.Tensor) -> int:
     """Elements of the whole parameter: ZeRO-3 leaves a partitioned placeholder and keeps the
     full size in `ds_numel`."""

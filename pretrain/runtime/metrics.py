@@ -21,7 +21,7 @@ from deepspeed.utils import safe_get_full_grad
 from megatron.core import parallel_state
 
 from pretrain.config import RunConfig
-from pretrain.run_dir import EvalRecord, Record, RunDir, TrainRecord, config_hash, write_text_atomic
+from pretrain.run_dir import EvalRecord, EventRecord, Record, RunDir, TrainRecord, config_hash, write_text_atomic
 from pretrain.runtime.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 from pretrain.runtime.engine import TrainEngine
 
@@ -149,10 +149,13 @@ class MetricsLogger:
 
     def train_step(self, step: int, loss: float, seconds: float, *, window_steps: int = 1, skipped: bool,
                    skipped_steps: int, lr: float, grad_norm: Optional[float], trainable_params: int,
-                   layer_grad_norms: Optional[dict[str, Optional[float]]] = None) -> None:
+                   layer_grad_norms: Optional[dict[str, Optional[float]]] = None, skip_reason: Optional[str] = None,
+                   spike_skips: int = 0, restarts: int = 0, hangs: int = 0, rewinds: int = 0) -> None:
         """Writes the record of a step that is `due`. `seconds` is the wall time of the `window_steps`
         steps since the previous record (IterationTimer.window), or of this step alone: the record's step
-        time, tokens/s, TFLOP/s and MFU are over them (`throughput`)."""
+        time, tokens/s, TFLOP/s and MFU are over them (`throughput`). The run's fault counters
+        (skipped steps and spikes, restarts, hangs, rewinds) go to the record and, when not zero, to the
+        progress bar."""
         if not self.writing or not self.due(step, skipped):
             return
         speed = throughput(seconds, window_steps, self.tokens_per_step, self.flops_per_token, self.world_size,
@@ -161,11 +164,14 @@ class MetricsLogger:
                              step_time_s=speed.step_time_s, skipped_steps=skipped_steps,
                              trainable_params=trainable_params, peak_mem_bytes=peak_memory_bytes(),
                              tflops_per_device=speed.tflops_per_device, mfu=speed.mfu,
-                             layer_grad_norms=layer_grad_norms)
+                             layer_grad_norms=layer_grad_norms, skip_reason=skip_reason, spike_skips=spike_skips,
+                             restarts=restarts, hangs=hangs, rewinds=rewinds)
         self._write(record)
         if self.bar is not None:  # shown from the next redraw on
+            counters = {"skipped": skipped_steps + spike_skips, "restarts": restarts, "hangs": hangs,
+                        "rewinds": rewinds}
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{speed.tokens_per_s:,.0f}",
-                                 refresh=False)
+                                 **{k: v for k, v in counters.items() if v}, refresh=False)
 
     def step_done(self, step: int) -> None:
         """Move the progress bar to `step`; called after every step, logged or not (host only)."""
@@ -176,6 +182,17 @@ class MetricsLogger:
         if self.writing:
             self._write(EvalRecord(step=step, split=split, loss=loss, ppl=math.exp(min(loss, 50.0)),
                                    sources=sources or None))
+
+    def event(self, step: int, kind: str, detail: dict) -> None:
+        """A restart, rewind or skipped spike: a line of metrics.jsonl and, above the progress bar, of stderr
+        (TensorBoard and wandb get the counters of the train records)."""
+        if not self.writing:
+            return
+        self.file.append(EventRecord(step=step, kind=kind, detail=detail))
+        if kind != "spike":  # those are counted on the bar
+            text = f"{kind} at step {step}: " + ", ".join(f"{k} {v}" for k, v in detail.items()
+                                                          if k in ("cause", "reason", "checkpoint", "skipped_batches"))
+            (self.bar.write if self.bar is not None else print)(text, file=sys.stderr)
 
     def _write(self, record: Record) -> None:
         self.file.append(record)

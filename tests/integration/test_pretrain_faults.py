@@ -10,6 +10,8 @@ import time
 
 import pytest
 from pretrain_runs import (
+    LONG,
+    PARTIAL_FROZEN,
     REPO,
     arguments,
     command,
@@ -28,14 +30,10 @@ from pretrain.run_dir import RunDir, checkpoint_tag
 
 pytestmark = pytest.mark.distributed
 
-# TINY_RUN under the partial-frozen schedule on two processes (ZeRO-1). The freeze-schedule test reads
-# this training; the SIGKILL test kills the same command mid-run: its 60 steps (a few seconds, two
-# engine rebuilds) leave a kill after step 4 a wide margin before the end.
-PARTIAL_FROZEN = ["train.steps=60", "train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=1"]
+# The freeze-schedule test reads PARTIAL_FROZEN's training; the SIGKILL test kills the same command
+# mid-run: a kill after step 4 leaves a wide margin before the end.
 # A training test_consolidate.py reads too (the run cache trains it once).
 BF16_ZERO3 = ["deepspeed.zero_stage=3", "deepspeed.precision=bf16"]
-# Runs stopped by a signal or a dead rank long before their last step.
-LONG = "train.steps=1000"
 
 
 def test_sigkill_then_resume_reproduces_losses(trained_runs, tmp_path, capsys, monkeypatch):

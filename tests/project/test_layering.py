@@ -17,6 +17,7 @@ FLOORS = [
     ("ora_megatron", "data_tools"),  # the model; corpus tooling (the training side reads its manifest)
     ("pretrain.paths", "pretrain.config"),  # the repository's files; the typed run config
     ("pretrain.run_dir", "pretrain.environment"),
+    ("pretrain.supervision",),  # launching, watching and restarting a job's ranks
     ("pretrain.runtime",),  # engine, data, loss, optimizer, metrics, freeze schedules
     ("pretrain.checkpoint",),  # save, resume, reshard, consolidate
     ("pretrain.training",),  # the loop and evaluation

@@ -45,6 +45,14 @@ LAYOUTS = {
 }
 
 
+# TINY_RUN under the partial-frozen schedule on two processes (ZeRO-1): 60 steps (a few seconds, two
+# engine rebuilds) that tests kill, hang and resume, against this training uninterrupted (the run
+# cache trains it once).
+PARTIAL_FROZEN = ["train.steps=60", "train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=1"]
+# Runs stopped by a signal or a fault long before their last step.
+LONG = "train.steps=1000"
+
+
 def write_config(directory: Path, text: str = TINY_RUN) -> Path:
     path = directory / "run.yaml"
     path.write_text(text)

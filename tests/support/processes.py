@@ -92,3 +92,38 @@ def trainings_preempted_at(rank: int, config_path: str, trainings: list) -> list
         summary = Trainer(cfg, RunDir(run_dir), validate_for_world(cfg, 1)).train()
         results.append((saved, summary))
     return results
+
+
+def trainings_in_one_process(rank: int, config_path: str, trainings: list) -> list:
+    """Train each of `trainings` — (run dir, overrides, segments) — in this process (a rank of
+    distributed.run_on_ranks), `segments` times in a row in the same run dir (a segment ends where the
+    config's faults stop it; the next resumes), as the entry's workers would. Returns, for each: the
+    summary of every segment (or the TrainingStopped's), the 0-based data positions the training steps
+    read, in order, and the train records."""
+    from pretrain.config import load_run_config, validate_for_world
+    from pretrain.run_dir import RunDir
+    from pretrain.runtime.data import StepBatches
+    from pretrain.training.trainer import Trainer, TrainingStopped
+
+    positions, micro_batch = [], StepBatches.micro_batch
+
+    def recording(self, split, step, micro):
+        if split == "train" and micro == 0:
+            positions.append(step)
+        return micro_batch(self, split, step, micro)
+
+    StepBatches.micro_batch = recording
+    results = []
+    for run_dir, overrides, segments in trainings:
+        positions.clear()
+        cfg = load_run_config(config_path, overrides)
+        summaries = []
+        for _ in range(segments):
+            trainer = Trainer(cfg, RunDir(run_dir), validate_for_world(cfg, 1))
+            trainer.resume()
+            try:
+                summaries.append(trainer.train())
+            except TrainingStopped as e:
+                summaries.append(e.summary)
+        results.append((summaries, list(positions), RunDir(run_dir).read_records()))
+    return results

@@ -119,8 +119,12 @@ def check_run_data(runs: list[Run]) -> None:
 
 
 def completed_summary(run_dir: RunDir) -> bool:
-    """summary.json of a run that trained to its end or stopped early (not one stopped by a signal)."""
-    return run_dir.summary.exists() and not run_dir.read_summary().preempted
+    """summary.json of a run that trained to its end or stopped early (not one stopped by a signal, at
+    train.max_wall_time or by a divergence)."""
+    if not run_dir.summary.exists():
+        return False
+    summary = run_dir.read_summary()
+    return not summary.preempted and summary.stop_reason is None
 
 
 def record_orphans_that_completed(runs: list[Run]) -> None:

@@ -96,7 +96,13 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
     assert cfg["data"]["manifest"] == "runs/data/shards/manifest.json"
     assert cfg["deepspeed"] == {"zero_stage": 1, "precision": "bf16", "zero_with_one_rank": False}
     assert cfg["logging"]["wandb_mode"] == "offline"
-    assert cfg["checkpoint"] == {"save_interval": 2000, "keep_last": 3}
+    # Every 20 minutes (the Young/Daly interval for Base on 16 nodes), 20,000 steps as a backstop.
+    assert cfg["checkpoint"] == {"save_interval": 20000, "save_interval_s": 1200.0, "keep_last": 3}
+    # Unattended: restarts, the hang watchdog below the collective timeout, skip-step and rewinds.
+    assert (train["max_restarts"], train["hang_timeout_s"], train["collective_timeout_s"]) == (3, 300.0, 600)
+    assert train["spike_skip"] == {"enabled": True, "window": 128, "sigma": 6.0}
+    assert train["rewind"] == {"enabled": True, "skip_batches": 200, "max_rewinds": 3}
+    assert train["inject_faults"] == [] and train["inject_nonfinite_loss_steps"] == []
 
 
 def test_overrides_apply_after_the_base():

@@ -19,10 +19,13 @@ import pytest
 import yaml
 from distributed import free_port
 from pretrain_runs import REPO, env, losses_by_step, write_config
+from slurm_stand_ins import one_node_job
 
 from ora_megatron.config_io import ConfigError
+from pretrain.launch import launcher
 from pretrain.launch.launcher import main
 from pretrain.pretrain_ora import adopt_scheduler_ranks
+from pretrain.run_dir import RunDir
 
 LAUNCH = REPO / "launch" / "pretrain_ora.sh"
 SBATCH = REPO / "launch" / "slurm" / "pretrain_ora.sbatch"
@@ -120,17 +123,17 @@ def in_process(monkeypatch, tmp_path, capsys):
     """launch(args, variables) -> (status, stdout, stderr): launcher.main in this process, as the script
     starts it from tmp_path (ORA_CALLER_DIR), with no launch variables but `variables`. What main
     changes is undone afterwards (the directory; the environment: its NCCL defaults, the config
-    check's offline variables); exec'ing deepspeed fails the test."""
+    check's offline variables); starting deepspeed fails the test."""
     saved = dict(os.environ)
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ORA_CALLER_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
 
-    def exec_deepspeed(*command):
+    def start_deepspeed(command, *args):
         raise AssertionError(f"deepspeed was started: {command}")
 
-    monkeypatch.setattr(os, "execvpe", exec_deepspeed)
+    monkeypatch.setattr(launcher, "supervise", start_deepspeed)
 
     def launch(args: list, variables: dict) -> tuple[int, str, str]:
         for name, value in variables.items():
@@ -315,17 +318,24 @@ def assert_matches_one_process(run_dir: Path, reference: Path) -> None:
 @pytest.mark.distributed
 def test_slurm_job_runs_two_local_nodes_without_ssh_and_matches_one_process(tmp_path, reference):
     """sbatch script under stand-in scontrol/srun: hostfile and MASTER_ADDR from the node list,
-    NODE_RANK from each task's SLURM_NODEID, arguments passed through as typed."""
+    NODE_RANK from each task's SLURM_NODEID, arguments passed through as typed. Node 1's rank is
+    killed after step 4: both nodes' supervisors restart their DeepSpeed launchers, the ranks meet
+    again and resume from step 3."""
     config, run_dir = write_config(tmp_path), tmp_path / "two nodes"
     variables = launch_env(slurm_stand_ins(tmp_path), SLURM_JOB_NODELIST="ora-test-[0-1]", SLURM_JOB_ID="4242",
                            SLURM_SUBMIT_DIR=str(REPO), GPUS_PER_NODE="1", RUN_DIR=str(run_dir),
                            MASTER_PORT=str(free_port()))
-    out = run_script(["bash", SBATCH, config, "--set", f"logging.wandb_project={HOSTILE}"], variables)
+    out = run_script(["bash", SBATCH, config, "--set", f"logging.wandb_project={HOSTILE}",
+                      "--set", "train.max_restarts=1", "--set", "train.restart_backoff_s=5",
+                      "--set", "train.inject_faults=[{kind: kill, step: 4, rank: 1}]"], variables)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (run_dir / "slurm-4242.hostfile").read_text() == "localhost slots=1\nnode-b slots=1\n"
     for rank in (0, 1):
         assert f"--no_ssh --node_rank {rank} --master_addr localhost" in out.stdout
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["logging"]["wandb_project"] == HOSTILE
+    restarts = RunDir(run_dir).read_restarts()
+    assert sorted((r.node_rank, r.action, r.resumed_from_step) for r in restarts) == [(0, "restart", 3),
+                                                                                     (1, "restart", 3)]
     assert_matches_one_process(run_dir, reference)
     assert_no_shell_read_hostile(tmp_path)
 
@@ -398,3 +408,17 @@ def test_only_run_configs_are_offered_as_presets(in_process):
     status, _, stderr = in_process(["paper_common"], {})
     assert status == 2
     assert "'paper_common' is neither a preset (base large small tiny) nor a YAML file" in stderr
+
+
+@pytest.mark.slow
+def test_the_job_requeues_itself_after_a_stop_at_max_wall_time_and_not_after_an_end(tmp_path):
+    """Status 75 (stopped with a checkpoint at train.max_wall_time) requeues without a signal; a finished
+    run (0) or a failure that ended the job does not. (The time-limit signal: tests/integration/test_unattended.py.)"""
+    outcomes = {}
+    for status in (75, 0, 1):
+        requeued = tmp_path / f"requeued{status}"
+        job = one_node_job(tmp_path, f"exit {status}\n")
+        out = run_script(["bash", SBATCH, "tiny"], {**os.environ, **job, "RUN_DIR": str(tmp_path / "run"),
+                                                  "REQUEUED": str(requeued)}, timeout=60)
+        outcomes[status] = (out.returncode, requeued.read_text() if requeued.exists() else None)
+    assert outcomes == {75: (0, "requeue 4242\n"), 0: (0, None), 1: (1, None)}

@@ -121,9 +121,29 @@ def test_progress_bar_moves_every_step_and_shows_the_last_logged_loss(run_dir, c
     log_step(log, 5)
     log.step_done(5)
     assert log.bar.n == 5
-    assert log.bar.postfix == f"loss=2.5000, lr=1.00e-03, tok_s={TOKENS_PER_STEP / 0.5:,.0f}"
+    # The run's fault counters join the bar once they are not zero (here the 1 skipped step log_step reports).
+    assert log.bar.postfix == f"loss=2.5000, lr=1.00e-03, skipped=1, tok_s={TOKENS_PER_STEP / 0.5:,.0f}"
+    log.train_step(10, 2.5, 0.5, skipped=False, skipped_steps=1, lr=1e-3, grad_norm=0.75, trainable_params=1000,
+                   spike_skips=2, restarts=3, hangs=1, rewinds=1)
+    assert log.bar.postfix == (f"hangs=1, loss=2.5000, lr=1.00e-03, restarts=3, rewinds=1, skipped=3, "
+                               f"tok_s={TOKENS_PER_STEP / 0.5:,.0f}")
     log.close()
     assert "5/20" in capsys.readouterr().err
+
+
+def test_events_and_fault_counters_are_recorded(run_dir):
+    """A restart, rewind or skipped spike is an event line of metrics.jsonl; the train records carry
+    the run's counters, which TensorBoard and wandb get as scalars."""
+    log = logger(run_dir)
+    log.event(4, "rewind", {"checkpoint": "step00000002", "skipped_batches": [3, 5]})
+    log.train_step(5, 2.5, 0.5, skipped=True, skipped_steps=0, lr=1e-3, grad_norm=9.0, trainable_params=1000,
+                   skip_reason="loss spike", spike_skips=1, restarts=2, hangs=1, rewinds=1)
+    log.close()
+    event, train = run_dir.read_records()
+    assert (event.split, event.step, event.kind, event.detail["skipped_batches"]) == ("event", 4, "rewind", [3, 5])
+    assert (train.skip_reason, train.spike_skips, train.restarts, train.hangs, train.rewinds) == (
+        "loss spike", 1, 2, 1, 1)
+    assert run_dir.read_records("event") == [event]
 
 
 # ---------------------------------------------------------------------------- sinks
@@ -168,7 +188,8 @@ def test_tensorboard_and_wandb_get_every_finite_number_of_a_record(run_dir, fake
     log.close()
 
     train = {"lr": 1e-3, "tokens_per_s": TOKENS_PER_STEP / 0.5, "step_time_s": 0.5, "skipped_steps": 1,
-             "trainable_params": 1000, "peak_mem_bytes": PEAK_MEM}
+             "trainable_params": 1000, "peak_mem_bytes": PEAK_MEM, "spike_skips": 0, "restarts": 0, "hangs": 0,
+             "rewinds": 0}
     valid = {"loss": 2.0, "ppl": math.exp(2.0)}
     assert fake_sinks == [
         ("tb", {"log_dir": str(run_dir.tensorboard)}),
