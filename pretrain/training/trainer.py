@@ -355,8 +355,8 @@ class Trainer:
             final_test_loss=test_loss, wall_time_s=wall_time_s, steps=state.step, stopped_early=stopped_early,
             preempted=preempted, tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps,
             trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank(),
-            final_valid_loss_by_source=evaluator.last_valid_loss_by_source,
-            final_test_loss_by_source=None if preempted else evaluator.test_loss_by_source,
+            final_valid_loss_by_source=evaluator.last_valid_loss_by_source if evaluator else None,
+            final_test_loss_by_source=evaluator.test_loss_by_source if evaluator and test_loss is not None else None,
             stop_reason=stop_reason, spike_skips=state.spike_skips, restarts=self.restarts, hangs=self.hangs,
             rewinds=list(state.rewinds))
 
