@@ -1,12 +1,14 @@
-"""Write the running Python's standard-library sources as a SlimPajama-format corpus.
+"""Write the running Python's standard-library sources, or those of another folder, as a
+SlimPajama-format corpus.
 
-    python -m data_tools.sample_corpus --output-dir DIR [--max-files N] [--max-file-bytes B]
+    python -m data_tools.sample_corpus --output-dir DIR [--root SRC] [--max-files N] [--max-file-bytes B]
 
 Writes DIR/chunk1/example_train_K.jsonl.zst: one {"text": ..., "meta": {"redpajama_set_name":
-"RedPajamaGithub"}} line per .py file of sysconfig's stdlib directory (sorted; site-packages,
-test directories and caches left out), each output file holding at most B bytes of JSON lines
-before compression. Real text present on every machine, no download, byte-identical on reruns
-with the same Python.
+"RedPajamaGithub"}} line per .py file under SRC (default: sysconfig's stdlib directory; sorted;
+site-packages, test directories and caches left out), each output file holding at most B bytes of
+JSON lines before compression. Real text present on every machine, no download, byte-identical on
+reruns with the same sources (the stdlib: the same Python). Another folder gives a second corpus
+of the same kind, e.g. an installed package's sources to fine-tune on.
 """
 
 import argparse
@@ -24,9 +26,8 @@ SKIPPED_DIRECTORIES = {
 ZSTD_LEVEL = 10
 
 
-def stdlib_sources(max_files: int | None = None) -> list[str]:
-    """Absolute paths of the stdlib .py files, sorted by their path inside the stdlib."""
-    root = sysconfig.get_paths()["stdlib"]
+def python_sources(root: str, max_files: int | None = None) -> list[str]:
+    """Absolute paths of the .py files under `root`, sorted by their path inside it."""
     found = []
     for directory, subdirectories, files in os.walk(root):
         subdirectories[:] = [d for d in subdirectories if d not in SKIPPED_DIRECTORIES]
@@ -68,8 +69,11 @@ def group_by_size(lines: list[bytes], max_bytes: int) -> list[list[bytes]]:
     return groups
 
 
-def write_corpus(output_dir: str, max_files: int | None, max_file_bytes: int) -> list[str]:
-    lines, not_utf8 = jsonl_lines(stdlib_sources(max_files))
+def write_corpus(output_dir: str, max_files: int | None, max_file_bytes: int, root: str | None = None) -> list[str]:
+    """The corpus of the .py files under `root` (None: the stdlib)."""
+    stdlib = root is None
+    root = sysconfig.get_paths()["stdlib"] if stdlib else os.path.abspath(root)
+    lines, not_utf8 = jsonl_lines(python_sources(root, max_files))
     chunk_dir = os.path.join(output_dir, "chunk1")
     os.makedirs(chunk_dir, exist_ok=True)
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
@@ -81,7 +85,8 @@ def write_corpus(output_dir: str, max_files: int | None, max_file_bytes: int) ->
         os.replace(path + ".tmp", path)
         written.append(path)
     print(
-        f"sample_corpus: {len(lines):,} stdlib files ({not_utf8} not UTF-8, left out) "
+        f"sample_corpus: {len(lines):,} {'stdlib' if stdlib else 'Python'} files{'' if stdlib else ' of ' + root} "
+        f"({not_utf8} not UTF-8, left out) "
         f"in {len(written)} files under {chunk_dir}",
         file=sys.stderr,
     )
@@ -93,11 +98,14 @@ def main(argv=None) -> None:
         prog="python -m data_tools.sample_corpus", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--root", help="the folder whose .py files are the corpus (default: this Python's stdlib)")
     parser.add_argument("--max-files", type=int, default=None, help="first N files only")
     parser.add_argument("--max-file-bytes", type=int, default=4 << 20,
                         help="JSON bytes per output file before compression")
     args = parser.parse_args(argv)
-    write_corpus(args.output_dir, args.max_files, args.max_file_bytes)
+    if args.root is not None and not os.path.isdir(args.root):
+        parser.error(f"--root {args.root}: not a folder")
+    write_corpus(args.output_dir, args.max_files, args.max_file_bytes, args.root)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ overrides at that scale, the command line's `--set`, then the seed, as `--set ke
 of the entry point. The seed sets `model.seed` (every weight init, frozen Q/K included, and through
 the model build's seeding the dropout RNG) and `data.seed` (megatron-core's shuffling, so
 the data order follows the seed too); arms of one seed see the same data in the same order, which
-is what makes them paired samples. Every expanded config is validated for its process count
-before anything starts; an error names the spec, the arm and the key, and the sweep exits 2.
+is what makes them paired samples. In the spec's values (not the command line's), `{seed}` in a
+string is the run's seed: an arm that starts from another sweep's run of the same seed names it so
+(`train.init_from: runs/sweeps/baselines/ora/seed{seed}`). Every expanded config is validated for
+its process count before anything starts; an error names the spec, the arm and the key, and the
+sweep exits 2.
 
 `gaps` is read by the report (`python -m pretrain.research.report OUT --spec SPEC`), not by the sweep:
 the pairs of arms whose difference, paired by seed, is the question, and the quantity the pairs'

@@ -19,6 +19,7 @@ from pretrain.run_dir import RunDir
 
 DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # the research plan's seeds (docs/research.md)
 SEED_KEYS = ("model.seed", "data.seed")
+SEED_FIELD = "{seed}"  # in a spec's string value: the run's seed
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LOG_NAME = "sweep.log"
 # The post-training evaluations a spec may list: each is the command (after the interpreter) that
@@ -192,6 +193,13 @@ class Run:
         return [sys.executable, *EVALUATIONS[name], "--run-dir", str(self.run_dir.path)]
 
 
+def for_seed(overrides: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The spec's overrides for one seed: `{seed}` in a string value is the run's seed (e.g. the run of
+    another sweep that a transfer arm starts from: train.init_from: runs/sweeps/core/ora/seed{seed})."""
+    return {key: value.replace(SEED_FIELD, str(seed)) if isinstance(value, str) else value
+            for key, value in overrides.items()}
+
+
 def expand(spec: Spec, scale_name: str, seeds: Optional[list[int]], extra: list[str], out: Path) -> list[Run]:
     """Every (seed, arm) run with its validated config, seed-major; raises SweepError on the first bad one."""
     body = spec.body
@@ -204,8 +212,8 @@ def expand(spec: Spec, scale_name: str, seeds: Optional[list[int]], extra: list[
     runs = []
     for seed in seeds or body.seeds:
         for arm_name, arm in body.arms.items():
-            overrides = (set_arguments(scale.set) + set_arguments(arm.set)
-                         + set_arguments(arm.scales.get(scale_name, {})) + list(extra)
+            overrides = (set_arguments(for_seed(scale.set, seed)) + set_arguments(for_seed(arm.set, seed))
+                         + set_arguments(for_seed(arm.scales.get(scale_name, {}), seed)) + list(extra)
                          + [f"{key}={seed}" for key in SEED_KEYS])
             try:
                 cfg = load_run_config(str(spec.config_path), overrides)

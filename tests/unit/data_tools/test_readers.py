@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import sysconfig
 
 import pytest
 from data_fixtures import build_slimpajama, compress, json_line, write_file
@@ -172,7 +173,7 @@ def test_sample_corpus_is_deterministic_slimpajama_of_stdlib_sources(tmp_path):
     assert all(name.startswith("chunk1/example_train_") for name in names)
     assert [open(p, "rb").read() for p in first] == [open(p, "rb").read() for p in second]
 
-    sources = sample_corpus.stdlib_sources(40)
+    sources = sample_corpus.python_sources(sysconfig.get_paths()["stdlib"], 40)
     assert sources == sorted(sources, key=lambda p: os.path.relpath(p, os.path.dirname(sources[0])))
     assert not any("site-packages" in p or f"{os.sep}test{os.sep}" in p for p in sources)
     _, documents, skips = read([str(tmp_path / "a")])
@@ -180,3 +181,19 @@ def test_sample_corpus_is_deterministic_slimpajama_of_stdlib_sources(tmp_path):
     assert [text for text, _, _, _ in documents] == [t for t in texts if t.strip()]
     assert {source for _, source, _, _ in documents} == {"RedPajamaGithub"}
     assert len(skips) == sum(1 for t in texts if not t.strip())
+
+
+def test_sample_corpus_of_another_folder(tmp_path, capsys):
+    from data_tools import sample_corpus
+
+    (tmp_path / "src" / "pkg" / "tests").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "b.py").write_text("b = 2\n")
+    (tmp_path / "src" / "a.py").write_text("a = 1\n")
+    (tmp_path / "src" / "pkg" / "tests" / "test_b.py").write_text("left out\n")
+    (tmp_path / "src" / "notes.txt").write_text("not Python\n")
+    sample_corpus.main(["--output-dir", str(tmp_path / "out"), "--root", str(tmp_path / "src")])
+    _, documents, _ = read([str(tmp_path / "out")])
+    assert [text for text, _, _, _ in documents] == ["a = 1\n", "b = 2\n"]
+    assert f"2 Python files of {tmp_path / 'src'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sample_corpus.main(["--output-dir", str(tmp_path / "out2"), "--root", str(tmp_path / "missing")])

@@ -43,6 +43,7 @@ SHIPPED = {
     "a6": ([f"layers{n}_{m}" for n in (4, 8, 12, 24) for m in ("ora", "vanilla")], "layers4_vanilla"),
     "a5_retrieval": ([f"len{n}_{m}" for n in (32, 64, 128, 256) for m in ("ora", "vanilla")], "len32_vanilla"),
     "a7": (["qr", "svd", "householder", "cayley", "hadamard", "vanilla"], "vanilla"),
+    "transfer": (["vanilla_finetuned", "ora_finetuned", "vanilla_scratch", "ora_scratch"], "vanilla_finetuned"),
     "probes": (["vanilla", "ora", "ora_init_trainable", "frozen_gaussian_scaled", "synthesizer_random"], "vanilla"),
 }
 
@@ -94,6 +95,13 @@ def test_expansion_is_seeds_times_arms_with_every_override_applied(tmp_path):
     assert [r.cfg.model.hidden_size for r in runs[:3]] == [64, 32, 64]  # b's own override at this scale
     assert [r.cfg.train.steps for r in runs[:3]] == [4, 4, 5]  # the arm's set over the scale's
     assert [r.seed for r in expand(spec, "cpu", [5], [], tmp_path / "out")] == [5, 5, 5]
+
+
+def test_seed_in_a_spec_value_is_the_runs_seed(tmp_path):
+    arms = {"a": arm("vanilla", **{"logging.wandb_project": "from-seed{seed}"})}
+    runs = expand(load_spec(write_spec(tmp_path, arms, seeds=(7, 8))), "cpu", None,
+                  ["logging.tensorboard=false"], tmp_path / "out")
+    assert [r.cfg.logging.wandb_project for r in runs] == ["from-seed7", "from-seed8"]
 
 
 @pytest.mark.parametrize("bad_arm, processes, extra, expected", [
@@ -160,6 +168,10 @@ def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
         assert {r.scale.processes_per_node for r in runs} == {1}
         assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size, r.cfg.model.family) for r in runs} == {
             (32, 24, "llama")}
+    elif name == "transfer":  # the recipe on the subword corpus, each fine-tuned run from its own seed's run
+        assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size) for r in runs} == {(12, 2048)}
+        assert {r.cfg.train.init_from for r in runs if r.arm == "ora_finetuned"} == {
+            f"runs/sweeps/baselines_bpe/ora/seed{seed}" for seed in DESIGN_SEEDS}
     else:  # the nanoGPT shakespeare_char recipe
         assert {r.scale.processes_per_node for r in runs} == {1}
         assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size) for r in runs} == {(12, 68)}
