@@ -155,7 +155,9 @@ def load_spec(path: Path) -> Spec:
 
 def yaml_value(value: Any) -> str:
     """A value as the YAML text `--set key=value` parses back to it."""
-    return yaml.safe_dump(value, default_flow_style=True, width=2**31).strip().removesuffix("...").strip()
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    text = yaml.dump(value, Dumper=dumper, default_flow_style=True, width=2**30)
+    return text.strip().removesuffix("...").strip()
 
 
 def set_arguments(overrides: dict[str, Any]) -> list[str]:
