@@ -29,12 +29,19 @@ BASE_KEY = "base"
 # libyaml's parser where PyYAML was built with it: the same safe subset, several times faster, and
 # a sweep parses every override of every run.
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 def parse_yaml(text: Any) -> Any:
     """One YAML document (a string or an open file), with the safe loader: tags that build Python
     objects are refused."""
     return yaml.load(text, Loader=_SAFE_LOADER)
+
+
+def flow_yaml(value: Any) -> str:
+    """`value` as one line of flow-style YAML that `parse_yaml` reads back to it."""
+    text = yaml.dump(value, Dumper=_SAFE_DUMPER, default_flow_style=True, width=2**30)
+    return text.strip().removesuffix("...").strip()
 
 
 def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Union
 
-from ora_megatron.config_io import to_dict
+from ora_megatron.config_io import parse_yaml, to_dict
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
@@ -568,8 +568,6 @@ class RunDir:
         write_text_atomic(self.experiment, yaml.safe_dump(asdict(record), sort_keys=False))
 
     def read_experiment(self) -> Optional[ExperimentRecord]:
-        import yaml
-
         if not self.experiment.exists():
             return None
-        return ExperimentRecord(**yaml.safe_load(self.experiment.read_text()))
+        return ExperimentRecord(**parse_yaml(self.experiment.read_text()))

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ora_megatron.config_io import ConfigError, check, from_dict, load_yaml
+from ora_megatron.config_io import ConfigError, check, flow_yaml, from_dict, load_yaml
 from pretrain.config import RunConfig, load_run_config, validate_for_world
 from pretrain.paths import preset_path
 from pretrain.pretrain_ora import ENTRY_MODULE
@@ -153,15 +153,8 @@ def load_spec(path: Path) -> Spec:
 # ---------------------------------------------------------------------- expansion
 
 
-def yaml_value(value: Any) -> str:
-    """A value as the YAML text `--set key=value` parses back to it."""
-    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-    text = yaml.dump(value, Dumper=dumper, default_flow_style=True, width=2**30)
-    return text.strip().removesuffix("...").strip()
-
-
 def set_arguments(overrides: dict[str, Any]) -> list[str]:
-    return [f"{key}={yaml_value(value)}" for key, value in overrides.items()]
+    return [f"{key}={flow_yaml(value)}" for key, value in overrides.items()]
 
 
 @dataclass
