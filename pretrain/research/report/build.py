@@ -473,14 +473,14 @@ def gaps_part(spec: SweepSpec, sweep: Sweep, measures: Sequence[RunMeasures], ou
     section and its definitions."""
     gaps = spec.gaps
     rows = shape_gaps.gap_rows(gaps, gaps.pairs(spec.arms), sweep.used, sweep.not_used, measures)
-    trend = shape_gaps.trend_of(rows)
-    trend_row = shape_gaps.trend_row(trend, gaps)
-    tables = {t.name: t for t in (shape_gaps.gaps_table(rows, gaps), shape_gaps.trend_table(trend_row),
+    trends = shape_gaps.trends_of(rows)
+    trend_rows = shape_gaps.trend_rows(trends, gaps)
+    tables = {t.name: t for t in (shape_gaps.gaps_table(rows, gaps), shape_gaps.trend_table(trend_rows),
                                   shape_gaps.seeds_table(shape_gaps.seed_rows(rows, measures)))}
     for name, caption in shape_gaps.captions(gaps, escape).items():
         write_latex(tables[name], out, caption)
-    plots.plot_gaps(rows, trend, gaps.x, f"{gaps.arm} − {gaps.reference}", out / plots.GAPS)
-    return tables, shape_gaps.section(gaps, tables, trend_row, plots.GAPS), shape_gaps.definitions(gaps)
+    plots.plot_gaps(rows, trends, gaps.x, f"{gaps.arm} − {gaps.reference}", out / plots.GAPS)
+    return tables, shape_gaps.section(gaps, tables, trend_rows, plots.GAPS), shape_gaps.definitions(gaps)
 
 
 def build_report(inputs: Sequence[Path], out: Path, reference: Optional[str] = None,

@@ -9,12 +9,13 @@ or its arm's when the twin has no run in the statistics.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Optional, Sequence
 
 from pretrain.research.report.latex import MARK_KEY
 from pretrain.research.report.runs import RunMeasures, SweepRun
-from pretrain.research.report.stats import Trend, add_holm, compare_paired, log_trend
+from pretrain.research.report.stats import Trend, add_holm, compare_paired, log_trend, power_trend
 from pretrain.research.report.tables import Column, Table, count, fixed, interval, plain, significant
 from pretrain.research.sweep.spec import GAP_QUANTITIES, GapPair, GapsSpec
 
@@ -87,38 +88,47 @@ def gap_rows(gaps: GapsSpec, pairs: Sequence[GapPair], used: Sequence[SweepRun],
     return rows
 
 
-def trend_of(rows: Sequence[dict]) -> Trend:
-    """log_trend over the shapes with an x: each seed's gaps against the shapes' x."""
+FITS = {"log2": "a + b · log2 x", "power": "a · x^b"}  # the trend's two fits, by name (stats.log_trend, .power_trend)
+
+
+def trends_of(rows: Sequence[dict]) -> dict[str, Trend]:
+    """Both fits of FITS over the shapes with an x: each seed's gaps against the shapes' x."""
     points: dict[int, list[tuple[float, float]]] = {}
     for row in rows:
         if row["x"] is not None:
             for seed, gap in row["seed_gaps"].items():
                 points.setdefault(seed, []).append((row["x"], gap))
-    return log_trend(points)
+    return {"log2": log_trend(points), "power": power_trend(points)}
 
 
-def verdict(trend: Trend, gaps: GapsSpec) -> str:
-    """What the trend says in words, plainly when the seeds cannot tell one."""
+def verdict(trend: Trend, gaps: GapsSpec, fit: str = "log2") -> str:
+    """What one fit of the trend says in words, plainly when the seeds cannot tell one."""
     what = f"the gap ({gaps.arm} − {gaps.reference})"
     p = significant(3)
+    b = f"slope {{:+.4g}} per doubling of {gaps.x}" if fit == "log2" else "exponent {:+.4g}"
+    name = "slope" if fit == "log2" else "exponent"
+    lead = "" if fit == "log2" else f"As a power law, gap = a · {gaps.x}^b: "
     if trend.slope is None:
-        return f"No trend estimate: {trend.note}."
+        return f"{lead}no estimate: {trend.note}." if lead else f"No trend estimate: {trend.note}."
     if trend.ci_low is None:
-        return (f"Slope {trend.slope:+.4g} per doubling of {gaps.x} from {trend.seeds} seed(s), without an "
-                f"interval ({trend.note}): no claim about a trend.")
-    numbers = (f"slope {trend.slope:+.4g} per doubling of {gaps.x}, 95% CI [{trend.ci_low:+.4g}, "
-               f"{trend.ci_high:+.4g}], p = {p(trend.p)}, {trend.seeds} seeds")
+        return (f"{lead}{b.format(trend.slope)} from {trend.seeds} seed(s), without an interval ({trend.note}): "
+                f"no claim about a trend.")
+    numbers = (f"{b.format(trend.slope)}, 95% CI [{trend.ci_low:+.4g}, {trend.ci_high:+.4g}], p = {p(trend.p)}, "
+               f"{trend.seeds} seeds")
     if trend.ci_low <= 0 <= trend.ci_high:
-        return (f"The slope's 95% interval includes 0: {trend.seeds} seeds cannot tell whether {what} moves "
-                f"with {gaps.x} ({numbers}).")
-    direction = "rises" if trend.slope > 0 else "falls"
-    return f"{what[0].upper()}{what[1:]} {direction} with {gaps.x} ({numbers})."
+        text = f"the {name}'s 95% interval includes 0: {trend.seeds} seeds cannot tell whether {what} moves with " \
+               f"{gaps.x} ({numbers})."
+    else:
+        text = f"{what} {'rises' if trend.slope > 0 else 'falls'} with {gaps.x} ({numbers})."
+    return lead + text if lead else text[0].upper() + text[1:]
 
 
-def trend_row(trend: Trend, gaps: GapsSpec) -> dict:
-    return {"x": gaps.x, "seeds": trend.seeds, "slope": trend.slope, "ci_low": trend.ci_low,
-            "ci_high": trend.ci_high, "p": trend.p, "intercept": trend.intercept, "note": trend.note,
-            "verdict": verdict(trend, gaps)}
+def trend_rows(trends: dict[str, Trend], gaps: GapsSpec) -> list[dict]:
+    """One row per fit; a is the line's mean intercept, or the power law's prefactor e^(mean ln a_s)."""
+    return [{"fit": FITS[fit], "x": gaps.x, "seeds": trend.seeds, "slope": trend.slope, "ci_low": trend.ci_low,
+             "ci_high": trend.ci_high, "p": trend.p,
+             "intercept": (trend.intercept if fit == "log2" or trend.intercept is None else math.exp(trend.intercept)),
+             "note": trend.note, "verdict": verdict(trend, gaps, fit)} for fit, trend in trends.items()]
 
 
 def seed_rows(rows: Sequence[dict], measures: Sequence[RunMeasures]) -> list[dict]:
@@ -149,15 +159,15 @@ def gaps_table(rows: list[dict], gaps: GapsSpec) -> Table:
         Column("note", ("note",), plain, latex=False)], rows)
 
 
-def trend_table(row: dict) -> Table:
+def trend_table(rows: list[dict]) -> Table:
     return Table("gap_trend", [
-        Column("x", ("x",), plain), Column("seeds", ("seeds",), plain),
-        Column("slope per doubling", ("slope",), significant(4)),
+        Column("fit", ("fit",), plain), Column("x", ("x",), plain), Column("seeds", ("seeds",), plain),
+        Column("b", ("slope",), significant(4)),
         Column("95% CI", ("ci_low", "ci_high"), interval(significant(4))),
         Column("t-test p", ("p",), significant(4)),
-        Column("intercept (x = 1)", ("intercept",), significant(4), latex=False),
+        Column("a", ("intercept",), significant(4), latex=False),
         Column("note", ("note",), plain, latex=False),
-        Column("verdict", ("verdict",), plain, latex=False, markdown=False)], [row])  # the section's text
+        Column("verdict", ("verdict",), plain, latex=False, markdown=False)], rows)  # the section's text
 
 
 def seeds_table(rows: list[dict]) -> Table:
@@ -180,13 +190,14 @@ def captions(gaps: GapsSpec, escape) -> dict[str, str]:
                  f"$t$ interval over the pairs, paired $t$-test and Wilcoxon p-values Holm-corrected across the "
                  f"shapes; {escape(gaps.arm)} worse: seeds whose gap is positive. Marks: paired $t$-test, "
                  f"Holm-corrected across shapes."),
-        "gap_trend": (f"Trend of the gap over {x}: gap $= a + b \\log_2 x$ fitted to each seed's gaps by least "
-                      f"squares; $b$ per doubling of {x}: mean over seeds, 95\\% $t$ interval and one-sample "
-                      f"$t$-test over the seeds' slopes."),
+        "gap_trend": (f"Trend of the gap over {x}: gap $= a + b \\log_2 x$ ($b$ per doubling of {x}) and gap "
+                      f"$= a\\,x^b$ ($b$ the exponent; only where every gap is positive), each fitted to each "
+                      f"seed's gaps by least squares (the power law on $\\ln$ gap); $b$: mean over seeds, 95\\% "
+                      f"$t$ interval and one-sample $t$-test over the seeds' $b$."),
     }
 
 
-def section(gaps: GapsSpec, tables: dict[str, Table], trend: dict, plot: str) -> str:
+def section(gaps: GapsSpec, tables: dict[str, Table], trends: list[dict], plot: str) -> str:
     x_text = GAP_QUANTITIES[gaps.x]
     arm, reference = f"`<shape>_{gaps.arm}`", f"`<shape>_{gaps.reference}`"
     return f"""\
@@ -198,7 +209,7 @@ finished run of both arms, and why.
 
 {tables["gaps"].markdown()}
 
-**Trend.** {trend["verdict"]}
+**Trend.** {" ".join(row["verdict"] for row in trends)}
 
 {tables["gap_trend"].markdown()}
 
@@ -221,11 +232,14 @@ def definitions(gaps: GapsSpec) -> str:
   x): d = a_s + b_s · log2 x. Slope b̄ = mean of the b_s over the k seeds with one (the change of the gap
   per doubling of x), 95% t interval b̄ ± t_(0.975, k−1) · s_b / √k, p from the one-sample t-test of the
   b_s against 0. The seeds, not the points, are the samples: one seed's gaps share its data order and
-  inits. A line in log2 x rather than a power law a · x^b: the gap may change sign or be 0, where a
-  power law (one sign) or a fit of log|gap| breaks down. An interval that includes 0 means the seeds
-  cannot tell a trend; the report says so.
+  inits. The line first, because the gap may change sign or be 0 along x, where a power law (one sign)
+  breaks down. Beside it the power law d = a · x^b, as scaling laws state it, fitted the same way on
+  ln d = ln a_s + b_s · ln x (b̄ the exponent, a = e^(mean ln a_s)), only when every seed's gap at
+  every shape is positive; otherwise the table names the first gap ≤ 0 and gives no exponent (dropping
+  those seeds would bias it). An interval that includes 0 means the seeds cannot tell a trend; the
+  report says so.
 - `gaps.png`: per shape, the mean gap with its 95% t interval as error bars, each seed's gap as a grey
   dot (a seed's dots joined by a thin line; dots shifted sideways by seed), the trend line a + b̄ · log2 x
-  with ā the mean of the a_s, and a line at 0; x on a log2 axis, ticks at the shapes' x. Its numbers:
-  `gap_seeds.csv`. LaTeX: `gaps.tex`, `gap_trend.tex`.
+  with ā the mean of the a_s, the power law a · x^b̄ where it is defined, and a line at 0; x on a log2
+  axis, ticks at the shapes' x. Its numbers: `gap_seeds.csv`. LaTeX: `gaps.tex`, `gap_trend.tex`.
 """

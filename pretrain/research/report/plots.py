@@ -134,11 +134,23 @@ def _x_label(value: float) -> str:
     return f"{value:g}"
 
 
-def plot_gaps(rows: Sequence[dict], trend: Trend, x_name: str, difference: str, path: Path) -> Path:
+TREND_STYLES = {"log2": ("--", "C3", "trend: {:+.3g} per doubling"),  # by report.gaps.FITS name
+                "power": (":", "C2", "power law: exponent {:+.3g}")}
+
+
+def _trend_value(fit: str, trend: Trend, x: float) -> float:
+    """The fitted gap at x: the line in log2 x, or the power law (whose Trend intercept is ln a)."""
+    if fit == "log2":
+        return trend.intercept + trend.slope * math.log2(x)
+    return math.exp(trend.intercept) * x**trend.slope
+
+
+def plot_gaps(rows: Sequence[dict], trends: dict[str, Trend], x_name: str, difference: str, path: Path) -> Path:
     """Per shape with an x (rows of report.gaps.gap_rows): the mean gap with its 95% interval as error
     bars, each seed's gap as a grey dot (one seed's dots joined by a thin line, seeds shifted sideways
-    a little so they do not hide each other), the trend line a + b · log2 x, and a line at 0. x is on a
-    log2 axis with a tick at each shape's x, labelled with its value and the shape."""
+    a little so they do not hide each other), the trend line a + b · log2 x and the power law a · x^b
+    where each is defined (trends: report.gaps.trends_of), and a line at 0. x is on a log2 axis with a
+    tick at each shape's x, labelled with its value and the shape."""
     figure = Figure(figsize=(8, 5))
     axes = figure.subplots()
     shown = [row for row in rows if row["x"] is not None]
@@ -155,13 +167,18 @@ def plot_gaps(rows: Sequence[dict], trend: Trend, x_name: str, difference: str, 
         error = [[mean - low], [high - mean]] if low is not None else None
         axes.errorbar([row["x"]], [mean], yerr=error, fmt="o", color="C0", capsize=6, zorder=3)
     axes.axhline(0.0, color="black", linewidth=0.8, zorder=1)
-    if trend.slope is not None and shown:
-        xs = [min(row["x"] for row in shown), max(row["x"] for row in shown)]
-        interval = ("" if trend.ci_low is None
-                    else f", 95% CI [{trend.ci_low:+.3g}, {trend.ci_high:+.3g}]")
-        axes.plot(xs, [trend.intercept + trend.slope * math.log2(x) for x in xs], linestyle="--", color="C3",
-                  zorder=2, label=f"trend: {trend.slope:+.3g} per doubling{interval}")
-        axes.legend()
+    if shown:
+        low, high = min(row["x"] for row in shown), max(row["x"] for row in shown)
+        xs = [low * (high / low) ** (i / 49) for i in range(50)]
+        for fit, (style, color, label) in TREND_STYLES.items():
+            trend = trends[fit]
+            if trend.slope is None:
+                continue
+            interval = "" if trend.ci_low is None else f", 95% CI [{trend.ci_low:+.3g}, {trend.ci_high:+.3g}]"
+            axes.plot(xs, [_trend_value(fit, trend, x) for x in xs], linestyle=style, color=color, zorder=2,
+                      label=label.format(trend.slope) + interval)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend()
     axes.set_xscale("log", base=2)
     if shown:
         axes.set_xticks([row["x"] for row in shown], [f"{_x_label(row['x'])}\n{row['shape']}" for row in shown])

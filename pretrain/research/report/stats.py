@@ -104,42 +104,36 @@ def holm(p_values: Sequence[Optional[float]]) -> list[Optional[float]]:
 
 @dataclass
 class Trend:
-    """How paired differences move with log2 of a quantity x, seed by seed (log_trend)."""
+    """How paired differences move with a quantity x, seed by seed (log_trend, power_trend)."""
 
-    seeds: int  # seeds with differences at two or more distinct x
-    slope: Optional[float]  # change of the difference per doubling of x: the mean of the seeds' slopes
-    intercept: Optional[float]  # the mean of the seeds' intercepts (the difference at x = 1)
-    ci_low: Optional[float]  # 95% t interval of the slope over the seeds (t_interval)
+    seeds: int  # seeds with a fit: differences at two or more distinct x
+    slope: Optional[float]  # b = mean of the seeds' b_s: log_trend's change per doubling of x, power_trend's exponent
+    intercept: Optional[float]  # mean of the seeds' a_s: log_trend's difference at x = 1, power_trend's ln a
+    ci_low: Optional[float]  # 95% t interval of b over the seeds (t_interval)
     ci_high: Optional[float]
-    p: Optional[float]  # one-sample t-test of the seeds' slopes against 0, two-sided
+    p: Optional[float]  # one-sample t-test of the seeds' b_s against 0, two-sided
     note: str  # why a value is n/a; empty when none is
 
 
-def log_trend(points: dict[int, Sequence[tuple[float, float]]]) -> Trend:
-    """Fit difference = a + b · log2(x) to each seed's (x, difference) points by least squares, then
-    treat the seeds' slopes b_s as the sample: slope = mean b_s, its 95% t interval and one-sample
-    t-test over the seeds (k − 1 degrees of freedom).
+def seed_fits(points: dict[int, Sequence[tuple[float, float]]]) -> Trend:
+    """Fit v = a_s + b_s · u to each seed's (u, v) points by least squares, then treat the seeds' b_s as
+    the sample: b = mean b_s, its 95% t interval and one-sample t-test over the seeds (k − 1 degrees
+    of freedom).
 
-    Why this fit: the difference between two arms may change sign along x or sit at 0, where a power
-    law a·x^b (one sign throughout) has no good fit and log|difference| none at all; a line in log2 x
-    is defined for any sign, is closed-form (no convergence to fail) and its slope reads as the change
-    per doubling of x. A power law with a small exponent is nearly that line over a few doublings
-    (d(a·x^b)/d log2 x = a·b·ln 2·x^b). Why seed by seed: the seed sets the data order and the inits
-    of every shape alike, so the differences of one seed at different x are not independent; a pooled
-    least-squares fit over all points would take them as independent and understate the slope's
-    error. The seeds are the independent samples (with the same x for every seed the mean slope is
-    the pooled fit's slope). A seed with points at fewer than two distinct x has no slope."""
+    Why seed by seed: the seed sets the data order and the inits of every shape alike, so the
+    differences of one seed at different x are not independent; a pooled least-squares fit over all
+    points would take them as independent and understate b's error. The seeds are the independent
+    samples (with the same x for every seed the mean b is the pooled fit's). A seed with points at
+    fewer than two distinct u has no fit."""
     slopes, intercepts = [], []
     for seed_points in points.values():
-        if len({x for x, _ in seed_points}) < 2:
+        if len({u for u, _ in seed_points}) < 2:
             continue
-        logs = [math.log2(x) for x, _ in seed_points]
-        values = [d for _, d in seed_points]
-        mean_log, mean_value = statistics.fmean(logs), statistics.fmean(values)
-        slope = (sum((u - mean_log) * (v - mean_value) for u, v in zip(logs, values))
-                 / sum((u - mean_log) ** 2 for u in logs))
+        us, vs = [u for u, _ in seed_points], [v for _, v in seed_points]
+        mean_u, mean_v = statistics.fmean(us), statistics.fmean(vs)
+        slope = sum((u - mean_u) * (v - mean_v) for u, v in zip(us, vs)) / sum((u - mean_u) ** 2 for u in us)
         slopes.append(slope)
-        intercepts.append(mean_value - slope * mean_log)
+        intercepts.append(mean_v - slope * mean_u)
     if not slopes:
         return Trend(0, None, None, None, None, None, "no seed has differences at two or more x")
     slope, intercept = statistics.fmean(slopes), statistics.fmean(intercepts)
@@ -150,3 +144,26 @@ def log_trend(points: dict[int, Sequence[tuple[float, float]]]) -> Trend:
                      "every seed has the same slope (zero variance): interval and t-test undefined")
     low, high = t_interval(slopes)
     return Trend(len(slopes), slope, intercept, low, high, float(stats.ttest_1samp(slopes, 0.0).pvalue), "")
+
+
+def log_trend(points: dict[int, Sequence[tuple[float, float]]]) -> Trend:
+    """difference = a + b · log2(x), fitted seed by seed (seed_fits): b is the change per doubling of x.
+
+    Why this fit first: the difference between two arms may change sign along x or sit at 0, where a
+    power law a·x^b (one sign throughout) has no fit; a line in log2 x is defined for any sign, is
+    closed-form (no convergence to fail) and its slope reads as the change per doubling of x."""
+    return seed_fits({seed: [(math.log2(x), d) for x, d in seed_points] for seed, seed_points in points.items()})
+
+
+def power_trend(points: dict[int, Sequence[tuple[float, float]]]) -> Trend:
+    """difference = a · x^b, fitted seed by seed as ln d = ln a + b · ln x (seed_fits): b is the
+    exponent, as scaling laws state it, and the Trend's intercept is ln a. Defined only where every
+    difference is positive: one at or below 0 makes the power law undefined (the Trend says where),
+    rather than dropped, which would bias the exponent towards the seeds that happened to stay above 0."""
+    for seed, seed_points in sorted(points.items()):
+        for x, d in seed_points:
+            if d <= 0:
+                return Trend(0, None, None, None, None, None,
+                             f"seed {seed} has a difference ≤ 0 at x = {x:g}: no power law (one sign) fits")
+    return seed_fits({seed: [(math.log(x), math.log(d)) for x, d in seed_points]
+                      for seed, seed_points in points.items()})

@@ -30,7 +30,7 @@ from pretrain.research.report.runs import (
     steps_to_target,
     training_seconds_until,
 )
-from pretrain.research.report.stats import compare_paired, holm, log_trend
+from pretrain.research.report.stats import compare_paired, holm, log_trend, power_trend
 from pretrain.research.report.tables import Column, Table, fixed, mean_std, plain
 from pretrain.research.sweep.spec import GapsSpec
 from pretrain.run_dir import RunDir
@@ -515,7 +515,8 @@ def test_gap_holm_across_shapes(gap_report):
 
 
 def test_gap_trend_is_the_mean_of_the_seeds_slopes_on_log2_x(gap_report):
-    trend = report_json(gap_report)["tables"]["gap_trend"][0]
+    trend, power = report_json(gap_report)["tables"]["gap_trend"]
+    assert (trend["fit"], power["fit"]) == ("a + b · log2 x", "a · x^b")
     slopes = list(GAP_B.values())  # seed 5 has two shapes left: its slope is still b_5
     assert trend["seeds"] == 5 and trend["slope"] == pytest.approx(statistics.fmean(slopes))
     half = stats.t.ppf(0.975, 4) * statistics.stdev(slopes) / math.sqrt(5)
@@ -524,6 +525,9 @@ def test_gap_trend_is_the_mean_of_the_seeds_slopes_on_log2_x(gap_report):
     assert trend["p"] == pytest.approx(stats.ttest_1samp(slopes, 0.0).pvalue)
     assert trend["intercept"] == pytest.approx(statistics.fmean(GAP_C[s] - 5 * GAP_B[s] for s in GAP_SEEDS))
     assert trend["verdict"].startswith("The gap (ora − vanilla) falls with head_dim")
+    # seed 3's heads2 gap is −0.025: no power law, and the row says where
+    assert power["slope"] is None and power["note"].startswith("seed 3 has a difference ≤ 0 at x = 64")
+    assert "As a power law, gap = a · head_dim^b: no estimate: seed 3" in (gap_report / "report.md").read_text()
 
 
 def test_log_trend_recovers_a_known_law_and_says_when_seeds_cannot_tell():
@@ -538,6 +542,21 @@ def test_log_trend_recovers_a_known_law_and_says_when_seeds_cannot_tell():
     gaps = GapsSpec(arm="ora", reference="vanilla", x="parameters")
     assert verdict(spread_out, gaps).startswith("The slope's 95% interval includes 0: 5 seeds cannot tell")
     assert log_trend({1: [(8.0, 0.1)]}).slope is None  # one x: no slope
+
+
+def test_power_trend_recovers_a_known_exponent_seed_by_seed():
+    # gap = c_s · x^b_s with exponents −0.3 ± 0.05 and different prefactors: b̄ = −0.3, a = e^(mean ln c_s)
+    xs, exponents, prefactors = [1e5, 4e5, 1.6e6, 6.4e6], [-0.35, -0.3, -0.25, -0.3, -0.3], [5.0, 8.0, 6.0, 7.0, 9.0]
+    trend = power_trend({seed: [(x, prefactors[seed] * x**exponents[seed]) for x in xs] for seed in range(5)})
+    assert trend.seeds == 5 and trend.slope == pytest.approx(-0.3)
+    assert trend.intercept == pytest.approx(statistics.fmean(math.log(c) for c in prefactors))
+    half = stats.t.ppf(0.975, 4) * statistics.stdev(exponents) / math.sqrt(5)
+    assert (trend.ci_low, trend.ci_high) == (pytest.approx(-0.3 - half), pytest.approx(-0.3 + half))
+    assert trend.p == pytest.approx(stats.ttest_1samp(exponents, 0.0).pvalue)
+    assert verdict(trend, GapsSpec(arm="ora", reference="vanilla", x="parameters"), "power").startswith(
+        "As a power law, gap = a · parameters^b: the gap (ora − vanilla) falls with parameters (exponent -0.3")
+    assert power_trend({1: [(8.0, 0.1), (16.0, 0.0)]}).note == "seed 1 has a difference ≤ 0 at x = 16: " \
+        "no power law (one sign) fits"
 
 
 @pytest.mark.parametrize("quantity, expected", [("head_dim", 32), ("seq_length", 256), ("num_layers", 6),
