@@ -112,6 +112,42 @@ def test_relative_links_point_to_existing_files(doc):
     assert not broken, f"{relative(doc)}: " + "; ".join(broken)
 
 
+def cells(row: str) -> int:
+    """The cells of a Markdown table row: its `|` separators, not those escaped or inside `code`."""
+    separators, in_code, escaped = 0, False, False
+    for char in row.strip():
+        if char == "`" and not escaped:
+            in_code = not in_code
+        elif char == "|" and not in_code and not escaped:
+            separators += 1
+        escaped = char == "\\" and not escaped
+    return separators - 1
+
+
+def ragged_rows(text: str) -> list[str]:
+    """Rows of the text's Markdown tables (code blocks left out) whose cells differ from their header's."""
+    ragged, header = [], None
+    for number, line in enumerate(FENCE.sub("", text).splitlines(), 1):
+        if not line.startswith("|"):
+            header = None
+        elif header is None:
+            header = cells(line)
+        elif cells(line) != header:
+            ragged.append(f"line {number}: {cells(line)} cells, the header has {header}")
+    return ragged
+
+
+@pytest.mark.parametrize("doc", documents(), ids=relative)
+def test_tables_rows_have_their_headers_cells(doc):
+    """A row that lost or gained a cell (two rows merged by an edit) renders as a broken table."""
+    assert not ragged_rows(doc.read_text()), f"{relative(doc)}: " + "; ".join(ragged_rows(doc.read_text()))
+
+
+def test_a_ragged_table_is_caught():
+    table = "| a | b |\n|---|---|\n| `x|y` | 2 |\n| 1 | 2 | 3 |\n\ntext\n| c |\n|---|\n"
+    assert ragged_rows(table) == ["line 4: 3 cells, the header has 2"]
+
+
 def test_a_module_that_does_not_exist_is_caught():
     """The check above fails for a misspelt or removed module."""
     assert not exists("pretrain.no_such_module") and not exists("no_such_package.module")
