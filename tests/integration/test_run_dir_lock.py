@@ -19,7 +19,7 @@ from processes import workers_of
 
 from pretrain import pretrain_ora
 from pretrain.research.sweep.__main__ import main as sweep_main
-from pretrain.research.sweep.runner import start
+from pretrain.research.sweep.runner import DoneSincePlanned, start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
 from pretrain.research.sweep.state import Task, run_state, started_record
 from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary, config_hash
@@ -213,6 +213,26 @@ def test_sweep_hands_the_lock_to_its_run_which_outlives_the_sweep(tmp_path):
     finally:
         kill(attempt.process)
     assert run_state(run) == "interrupted"  # its record says "running", nobody holds the lock
+
+
+def test_a_step_another_sweep_finished_since_the_plan_is_skipped_under_the_lock(tmp_path):
+    """Two sweeps on one sweep dir: each planned the pending run; the first trains it to the end; the
+    second, when its turn comes, reads the run again under the lock and starts nothing."""
+    (run, *_) = expand(load_spec(_spec(tmp_path)), "cpu", None, [], tmp_path / "out")
+    training, evaluation = Task(run, train=True, evaluations=["attention"]), Task(run, False, ["attention"])
+
+    def launch(run: Run) -> tuple[list[str], dict[str, str]]:
+        raise AssertionError("a finished run was started again")
+
+    _finish(run, "finished", config_hash(run.cfg))  # the other sweep, after this one planned
+    with pytest.raises(DoneSincePlanned, match="finished by another job since this sweep planned it"):
+        start(training, launch, dict(os.environ), "revision")
+    assert run.run_dir.lock_holder() is None and run.run_dir.read_experiment().status == "finished"
+    run.run_dir.evaluation_file("attention").parent.mkdir(parents=True, exist_ok=True)
+    run.run_dir.evaluation_file("attention").write_text("{}")
+    with pytest.raises(DoneSincePlanned):
+        start(evaluation, launch, {}, "revision")
+    assert run.run_dir.lock_holder() is None
 
 
 @pytest.mark.slow

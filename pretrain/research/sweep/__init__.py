@@ -56,7 +56,9 @@ A run's state, read back from them:
 The sweep takes a run's lock before it records and starts the run, and hands it to the run's
 process (pretrain.run_dir.RunDirLock: as its stdin), which holds it to its end: a run outlives a
 sweep killed with SIGKILL without being started twice, and if it completes alone the next
-invocation records it as finished. A restarted run gets the same command; pretrain_ora.py resumes
+invocation records it as finished. Two invocations on one sweep dir share its runs: each reads a
+run's state again once it holds the lock, and skips a run or evaluation the other finished since
+it planned. A restarted run gets the same command; pretrain_ora.py resumes
 the run dir from its checkpoint. SIGTERM/SIGINT stop the sweep: no new run starts, running ones
 are sent SIGTERM (they checkpoint and exit) and stay "running" in their record, so the next
 invocation resumes them. The sweep exits 0 when every run and every evaluation the spec lists is

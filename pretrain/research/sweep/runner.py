@@ -18,6 +18,7 @@ from typing import Optional
 from pretrain.research.sweep.spec import Run, SweepError
 from pretrain.research.sweep.state import (
     Task,
+    done_since_planned,
     evaluation_state,
     git_revision,
     log_tail,
@@ -29,6 +30,11 @@ from pretrain.research.sweep.state import (
 from pretrain.run_dir import LOCK_ON_STDIN, ExperimentRecord, RunDirBusy, RunDirLock
 
 POLL_S = 0.2
+
+
+class DoneSincePlanned(Exception):
+    """The step a task starts with was done by another job (a second sweep on the same sweep dir)
+    between this invocation's plan and its turn: read under the run's lock, so it never runs twice."""
 
 EXIT_ALL_FINISHED, EXIT_NOT_ALL_FINISHED = 0, 1
 
@@ -69,9 +75,14 @@ def spawn(run: Run, command: list[str], env: dict[str, str], lock: RunDirLock) -
 
 def start(task: Task, launch, env: dict[str, str], revision: str) -> Attempt:
     """Take the run's lock and start the task's first step: the training (recorded as running first;
-    launch(run) -> (command, env)) or its first evaluation (in `env`). RunDirBusy: another job runs in it."""
+    launch(run) -> (command, env)) or its first evaluation (in `env`). RunDirBusy: another job runs in
+    it; DoneSincePlanned: another job did that step since this invocation planned it."""
     run = task.run
     lock = run.run_dir.acquire_lock()
+    done = done_since_planned(task)
+    if done is not None:
+        lock.release()
+        raise DoneSincePlanned(done)
     if task.train:
         record = started_record(run, revision)
         run.run_dir.write_experiment(record)
@@ -188,7 +199,7 @@ def execute(tasks: list[Task], jobs: int, env: dict[str, str], launch) -> Option
                 what = task.run.experiment_id + ("" if task.train else f" evaluation {task.evaluations[0]}")
                 try:
                     attempt = start(task, launch, env, revision)
-                except RunDirBusy as e:
+                except (RunDirBusy, DoneSincePlanned) as e:
                     print(f"skipped {what}: {e}", flush=True)
                     continue
                 active.append(attempt)

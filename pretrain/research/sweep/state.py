@@ -29,6 +29,12 @@ def run_state(run: Run) -> str:
     """running, finished, failed, interrupted or pending (see the package docstring)."""
     if run.run_dir.lock_holder() is not None:
         return "running"
+    return recorded_state(run)
+
+
+def recorded_state(run: Run) -> str:
+    """finished, failed, interrupted or pending, from the run dir's files alone (the lock not asked:
+    what the holder of the lock reads)."""
     record = run.run_dir.read_experiment()
     if record is not None and record.status == "finished" and run.run_dir.summary.exists():
         return "finished"
@@ -71,6 +77,13 @@ class Task:
         if not rest or (self.train and state != "finished"):
             return None
         return Task(self.run, False, rest)
+
+
+def done_since_planned(task: Task) -> Optional[str]:
+    """Why the task's first step is no longer to do, read by the holder of the run's lock, or None:
+    another invocation on the same sweep dir may have done it between this one's plan and its turn."""
+    done = (recorded_state(task.run) if task.train else evaluation_state(task.run, task.evaluations[0])) == "finished"
+    return "finished by another job since this sweep planned it" if done else None
 
 
 def tasks_of(runs: list[Run], retry_failed: bool) -> list[Task]:
