@@ -127,9 +127,10 @@ def plot_speed_memory(arms: Sequence[str], measures: Sequence[RunMeasures], path
 
 
 def _x_label(value: float) -> str:
-    """A tick label: the value, in thousands (k) or millions (M) when it is large."""
-    for scale, suffix in ((1e6, "M"), (1e3, "k")):
-        if value >= 10 * scale:
+    """A tick label: the value, in millions (M) from 1M, in thousands (k) from 10k (a sequence length
+    such as 2048 stays exact), at most 3 significant digits then."""
+    for scale, suffix, start in ((1e6, "M", 1e6), (1e3, "k", 1e4)):
+        if value >= start:
             return f"{value / scale:.3g}{suffix}"
     return f"{value:g}"
 

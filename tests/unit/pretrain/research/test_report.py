@@ -567,6 +567,12 @@ def test_x_is_read_from_the_run(tmp_path, quantity, expected):
     assert run_x(SweepRun("a", 1, run_dir, run_dir.read_experiment()), quantity) == expected
 
 
+@pytest.mark.parametrize("value, label", [(64, "64"), (2048, "2048"), (158_528, "159k"), (810_240, "810k"),
+                                          (2_250_048, "2.25M"), (6_352_384, "6.35M")])
+def test_gap_figure_ticks_read_as_numbers(value, label):
+    assert plots._x_label(value) == label
+
+
 def test_gap_figure_latex_and_markdown(gap_report):
     assert (gap_report / plots.GAPS).read_bytes().startswith(PNG_SIGNATURE)
     text = (gap_report / "report.md").read_text()
