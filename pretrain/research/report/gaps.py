@@ -9,13 +9,12 @@ or its arm's when the twin has no run in the statistics.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Optional, Sequence
 
 from pretrain.research.report.latex import MARK_KEY
 from pretrain.research.report.runs import RunMeasures, SweepRun
-from pretrain.research.report.stats import Trend, add_holm, compare_paired, log_trend, power_trend
+from pretrain.research.report.stats import FITS, Trend, add_holm, compare_paired, fitted_value
 from pretrain.research.report.tables import Column, Table, count, fixed, interval, plain, significant
 from pretrain.research.sweep.spec import GAP_QUANTITIES, GapPair, GapsSpec
 
@@ -88,17 +87,17 @@ def gap_rows(gaps: GapsSpec, pairs: Sequence[GapPair], used: Sequence[SweepRun],
     return rows
 
 
-FITS = {"log2": "a + b · log2 x", "power": "a · x^b"}  # the trend's two fits, by name (stats.log_trend, .power_trend)
+FORMULAS = {"log2": "a + b · log2 x", "power": "a · x^b"}  # stats.FITS by name, as the table writes them
 
 
 def trends_of(rows: Sequence[dict]) -> dict[str, Trend]:
-    """Both fits of FITS over the shapes with an x: each seed's gaps against the shapes' x."""
+    """Every fit of stats.FITS over the shapes with an x: each seed's gaps against the shapes' x."""
     points: dict[int, list[tuple[float, float]]] = {}
     for row in rows:
         if row["x"] is not None:
             for seed, gap in row["seed_gaps"].items():
                 points.setdefault(seed, []).append((row["x"], gap))
-    return {"log2": log_trend(points), "power": power_trend(points)}
+    return {name: fit(points) for name, fit in FITS.items()}
 
 
 def verdict(trend: Trend, gaps: GapsSpec, fit: str = "log2") -> str:
@@ -124,10 +123,10 @@ def verdict(trend: Trend, gaps: GapsSpec, fit: str = "log2") -> str:
 
 
 def trend_rows(trends: dict[str, Trend], gaps: GapsSpec) -> list[dict]:
-    """One row per fit; a is the line's mean intercept, or the power law's prefactor e^(mean ln a_s)."""
-    return [{"fit": FITS[fit], "x": gaps.x, "seeds": trend.seeds, "slope": trend.slope, "ci_low": trend.ci_low,
+    """One row per fit; a is the fit at x = 1: the line's mean intercept, the power law's e^(mean ln a_s)."""
+    return [{"fit": FORMULAS[fit], "x": gaps.x, "seeds": trend.seeds, "slope": trend.slope, "ci_low": trend.ci_low,
              "ci_high": trend.ci_high, "p": trend.p,
-             "intercept": (trend.intercept if fit == "log2" or trend.intercept is None else math.exp(trend.intercept)),
+             "intercept": None if trend.slope is None else fitted_value(fit, trend, 1.0),
              "note": trend.note, "verdict": verdict(trend, gaps, fit)} for fit, trend in trends.items()]
 
 

@@ -7,7 +7,6 @@ mark. An arm without values has no line on a curve plot.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
@@ -17,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, NullLocator
 
 from pretrain.research.report.runs import RunMeasures
-from pretrain.research.report.stats import Trend, spread
+from pretrain.research.report.stats import Trend, fitted_value, spread
 
 VALID_CURVES = "valid_loss_curves.png"
 FINAL_LOSS = "final_valid_loss.png"
@@ -135,15 +134,8 @@ def _x_label(value: float) -> str:
     return f"{value:g}"
 
 
-TREND_STYLES = {"log2": ("--", "C3", "trend: {:+.3g} per doubling"),  # by report.gaps.FITS name
+TREND_STYLES = {"log2": ("--", "C3", "trend: {:+.3g} per doubling"),  # by stats.FITS name
                 "power": (":", "C2", "power law: exponent {:+.3g}")}
-
-
-def _trend_value(fit: str, trend: Trend, x: float) -> float:
-    """The fitted gap at x: the line in log2 x, or the power law (whose Trend intercept is ln a)."""
-    if fit == "log2":
-        return trend.intercept + trend.slope * math.log2(x)
-    return math.exp(trend.intercept) * x**trend.slope
 
 
 def plot_gaps(rows: Sequence[dict], trends: dict[str, Trend], x_name: str, difference: str, path: Path) -> Path:
@@ -176,7 +168,7 @@ def plot_gaps(rows: Sequence[dict], trends: dict[str, Trend], x_name: str, diffe
             if trend.slope is None:
                 continue
             interval = "" if trend.ci_low is None else f", 95% CI [{trend.ci_low:+.3g}, {trend.ci_high:+.3g}]"
-            axes.plot(xs, [_trend_value(fit, trend, x) for x in xs], linestyle=style, color=color, zorder=2,
+            axes.plot(xs, [fitted_value(fit, trend, x) for x in xs], linestyle=style, color=color, zorder=2,
                       label=label.format(trend.slope) + interval)
         if axes.get_legend_handles_labels()[0]:
             axes.legend()

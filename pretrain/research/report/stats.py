@@ -167,3 +167,13 @@ def power_trend(points: dict[int, Sequence[tuple[float, float]]]) -> Trend:
                              f"seed {seed} has a difference ≤ 0 at x = {x:g}: no power law (one sign) fits")
     return seed_fits({seed: [(math.log(x), math.log(d)) for x, d in seed_points]
                       for seed, seed_points in points.items()})
+
+
+def fitted_value(fit: str, trend: Trend, x: float) -> float:
+    """The fitted difference at x of a trend from FITS[fit]: a + b · log2 x, or a · x^b (intercept ln a)."""
+    if fit == "log2":
+        return trend.intercept + trend.slope * math.log2(x)
+    return math.exp(trend.intercept) * x**trend.slope
+
+
+FITS = {"log2": log_trend, "power": power_trend}  # the trends of paired differences over x, by name

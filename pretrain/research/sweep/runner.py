@@ -31,12 +31,12 @@ from pretrain.run_dir import LOCK_ON_STDIN, ExperimentRecord, RunDirBusy, RunDir
 
 POLL_S = 0.2
 
+EXIT_ALL_FINISHED, EXIT_NOT_ALL_FINISHED = 0, 1
+
 
 class DoneSincePlanned(Exception):
     """The step a task starts with was done by another job (a second sweep on the same sweep dir)
     between this invocation's plan and its turn: read under the run's lock, so it never runs twice."""
-
-EXIT_ALL_FINISHED, EXIT_NOT_ALL_FINISHED = 0, 1
 
 
 @dataclass
