@@ -467,20 +467,28 @@ def read_spec(path: Path) -> SweepSpec:
         raise ReportError(f"--spec {e}") from None
 
 
-def gaps_part(spec: SweepSpec, sweep: Sweep, measures: Sequence[RunMeasures], out: Path
-              ) -> tuple[dict[str, Table], str, str]:
+def gaps_part(spec: SweepSpec, sweep: Sweep, measures: Sequence[RunMeasures],
+              evaluations: dict[RunKey, dict[str, Evaluation]], out: Path) -> tuple[dict[str, Table], str, str]:
     """The spec's gaps: their tables (CSV, JSON, LaTeX and gaps.png written here), the report's
     section and its definitions."""
     gaps = spec.gaps
-    rows = shape_gaps.gap_rows(gaps, gaps.pairs(spec.arms), sweep.used, sweep.not_used, measures)
+    pairs = gaps.pairs(spec.arms)
+    rows = shape_gaps.gap_rows(gaps, pairs, sweep.used, sweep.not_used, shape_gaps.loss_values(measures))
     trends = shape_gaps.trends_of(rows)
     trend_rows = shape_gaps.trend_rows(trends, gaps)
     tables = {t.name: t for t in (shape_gaps.gaps_table(rows, gaps), shape_gaps.trend_table(trend_rows),
                                   shape_gaps.seeds_table(shape_gaps.seed_rows(rows, measures)))}
-    for name, caption in shape_gaps.captions(gaps, escape).items():
+    directions = {}
+    for metric in gaps.metrics:
+        values, directions[metric] = shape_gaps.metric_values(metric, evaluations)
+        metric_rows = shape_gaps.gap_rows(gaps, pairs, sweep.used, sweep.not_used, values, directions[metric])
+        name = shape_gaps.metric_table_name(metric)
+        tables[name] = shape_gaps.gaps_table(metric_rows, gaps, name)
+    for name, caption in shape_gaps.captions(gaps, escape, directions).items():
         write_latex(tables[name], out, caption)
     plots.plot_gaps(rows, trends, gaps.x, f"{gaps.arm} − {gaps.reference}", out / plots.GAPS)
-    return tables, shape_gaps.section(gaps, tables, trend_rows, plots.GAPS), shape_gaps.definitions(gaps)
+    return (tables, shape_gaps.section(gaps, tables, trend_rows, plots.GAPS, directions),
+            shape_gaps.definitions(gaps))
 
 
 def build_report(inputs: Sequence[Path], out: Path, reference: Optional[str] = None,
@@ -516,7 +524,7 @@ def build_report(inputs: Sequence[Path], out: Path, reference: Optional[str] = N
     out.mkdir(parents=True, exist_ok=True)
     gaps_text = gaps_definitions = ""
     if body is not None and body.gaps is not None:
-        gap_tables, gaps_text, gaps_definitions = gaps_part(body, sweep, measures, out)
+        gap_tables, gaps_text, gaps_definitions = gaps_part(body, sweep, measures, evaluations, out)
         tables.update(gap_tables)
     for table in tables.values():
         table.write_csv(out)

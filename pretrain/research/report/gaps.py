@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Optional, Sequence
 
 from pretrain.research.report.latex import MARK_KEY
-from pretrain.research.report.runs import RunMeasures, SweepRun
+from pretrain.research.report.runs import Evaluation, RunMeasures, SweepRun
 from pretrain.research.report.stats import FITS, Trend, add_holm, compare_paired, fitted_value
 from pretrain.research.report.tables import Column, Table, count, fixed, interval, plain, significant
 from pretrain.research.sweep.spec import GAP_QUANTITIES, GapPair, GapsSpec
@@ -50,28 +50,50 @@ def absence(not_used: dict[tuple[str, int], dict], arm: str, seed: int) -> str:
     return f"{arm} {entry['status']}"
 
 
+def loss_values(measures: Sequence[RunMeasures]) -> dict[str, dict[int, float]]:
+    """Arm → seed → final validation loss."""
+    values: dict[str, dict[int, float]] = {}
+    for m in measures:
+        values.setdefault(m.arm, {})[m.seed] = m.final_valid_loss
+    return values
+
+
+def metric_values(metric: str, evaluations: dict[tuple[str, int], dict[str, Evaluation]]
+                  ) -> tuple[dict[str, dict[int, float]], Optional[bool]]:
+    """Arm → seed → the summary metric `<evaluation>.<metric>` of each run that has it, and whether
+    higher is better (None: no run has it)."""
+    name, _, key = metric.partition(".")
+    values: dict[str, dict[int, float]] = {}
+    higher = None
+    for (arm, seed), found in evaluations.items():
+        evaluation = found.get(name)
+        if evaluation is not None and evaluation.summary.get(key) is not None:
+            values.setdefault(arm, {})[seed] = evaluation.summary[key]
+            higher = evaluation.higher_is_better.get(key, higher)
+    return values, higher
+
+
 def gap_rows(gaps: GapsSpec, pairs: Sequence[GapPair], used: Sequence[SweepRun], not_used: Sequence[dict],
-             measures: Sequence[RunMeasures]) -> list[dict]:
-    """One row per shape, by x: the paired comparison of its arm against its twin on the final
-    validation loss (mean gap, 95% t interval, t-test, Wilcoxon, d_z), Holm across the shapes per
-    test, the seeds where the arm's loss is higher, and every seed of the sweep that is not a pair,
-    with why. Each row keeps its per-seed gaps under "seed_gaps" (seed → gap) for the plot."""
+             values: dict[str, dict[int, float]], higher_is_better: Optional[bool] = False) -> list[dict]:
+    """One row per shape, by x: the paired comparison of its arm against its twin on `values` (arm →
+    seed → value: the final validation loss, or an evaluation's metric) (mean gap, 95% t interval,
+    t-test, Wilcoxon, d_z), Holm across the shapes per test, the seeds where the arm is worse, and
+    every seed of the sweep that is not a pair, with why. Each row keeps its per-seed gaps under
+    "seed_gaps" (seed → gap) for the plot."""
     names = {name for pair in pairs for name in (pair.arm, pair.reference)}
     x_of = {(run.arm, run.seed): run_x(run, gaps.x) for run in used if run.arm in names}
-    losses: dict[str, dict[int, float]] = {}
-    for m in measures:
-        losses.setdefault(m.arm, {})[m.seed] = m.final_valid_loss
     missing = {(entry["arm"], entry["seed"]): entry for entry in not_used}
     seeds = sorted({run.seed for run in used} | {entry["seed"] for entry in not_used})
+    sign = -1 if higher_is_better else 1
     rows = []
     for pair in pairs:
-        arm, reference = losses.get(pair.arm, {}), losses.get(pair.reference, {})
+        arm, reference = values.get(pair.arm, {}), values.get(pair.reference, {})
         comparison = compare_paired(arm, reference)
         paired = sorted(arm.keys() & reference.keys())
         seed_gaps = {seed: arm[seed] - reference[seed] for seed in paired}
-        worse = [seed for seed in paired if seed_gaps[seed] > 0]
+        worse = [seed for seed in paired if sign * seed_gaps[seed] > 0]
         unpaired = [f"{seed}: " + ("; ".join(absence(missing, name, seed) for name in (pair.arm, pair.reference)
-                                             if (name, seed) in missing) or "no record")
+                                             if (name, seed) in missing) or "no value")
                     for seed in seeds if seed not in seed_gaps]
         x, x_note = shape_x(pair, x_of)
         rows.append({"shape": pair.shape, "arm": pair.arm, "reference": pair.reference, "x": x,
@@ -141,9 +163,14 @@ def seed_rows(rows: Sequence[dict], measures: Sequence[RunMeasures]) -> list[dic
 # ---------------------------------------------------------------------------- tables
 
 
-def gaps_table(rows: list[dict], gaps: GapsSpec) -> Table:
+def metric_table_name(metric: str) -> str:
+    """The table (and its CSV and LaTeX files) of a metric's gaps: gaps_<evaluation>_<metric>."""
+    return "gaps_" + metric.replace(".", "_")
+
+
+def gaps_table(rows: list[dict], gaps: GapsSpec, name: str = "gaps") -> Table:
     p = significant(4)
-    return Table("gaps", [
+    return Table(name, [
         Column("shape", ("shape",), plain), Column(gaps.x, ("x",), count),
         Column("pairs", ("pairs",), plain),
         Column(f"mean gap ({gaps.arm} − {gaps.reference})", ("mean_difference",), fixed(4), mark=MARK_KEY),
@@ -180,11 +207,17 @@ def seeds_table(rows: list[dict]) -> Table:
 # ---------------------------------------------------------------------------- text
 
 
-def captions(gaps: GapsSpec, escape) -> dict[str, str]:
-    """LaTeX captions of gaps.tex and gap_trend.tex (`escape`: latex.escape)."""
+def captions(gaps: GapsSpec, escape, directions: dict[str, Optional[bool]]) -> dict[str, str]:
+    """LaTeX captions of gaps.tex, gap_trend.tex and each metric's table (`escape`: latex.escape;
+    `directions`: metric → higher is better)."""
     arm, reference, x = (rf"\texttt{{{escape(text)}}}" for text in ("<shape>_" + gaps.arm,
                                                                      "<shape>_" + gaps.reference, gaps.x))
-    return {
+    metrics = {metric_table_name(metric): (
+        f"Gap per shape: {escape(metric)} of {arm} $-$ {reference}, paired by seed ({direction_text(higher)}); "
+        f"mean and 95\\% $t$ interval over the pairs, paired $t$-test and Wilcoxon p-values Holm-corrected "
+        f"across the shapes; {escape(gaps.arm)} worse: seeds where its value is worse. Marks: paired $t$-test, "
+        f"Holm-corrected across shapes.") for metric, higher in directions.items()}
+    return {**metrics,
         "gaps": (f"Gap per shape: final validation loss of {arm} $-$ {reference}, paired by seed; mean and 95\\% "
                  f"$t$ interval over the pairs, paired $t$-test and Wilcoxon p-values Holm-corrected across the "
                  f"shapes; {escape(gaps.arm)} worse: seeds whose gap is positive. Marks: paired $t$-test, "
@@ -196,7 +229,25 @@ def captions(gaps: GapsSpec, escape) -> dict[str, str]:
     }
 
 
-def section(gaps: GapsSpec, tables: dict[str, Table], trends: list[dict], plot: str) -> str:
+def direction_text(higher: Optional[bool]) -> str:
+    return {True: "higher is better", False: "lower is better", None: "no run in the statistics has it"}[higher]
+
+
+def metric_sections(gaps: GapsSpec, tables: dict[str, Table], directions: dict[str, Optional[bool]]) -> str:
+    arm, reference = f"`<shape>_{gaps.arm}`", f"`<shape>_{gaps.reference}`"
+    return "".join(f"""\
+### {metric}: {arm} − {reference}
+
+Gap: `{metric}` of {arm} − {reference}, paired by seed ({direction_text(higher)}; "{gaps.arm} worse": \
+seeds where its value is worse). Holm across the shapes.
+
+{tables[metric_table_name(metric)].markdown()}
+
+""" for metric, higher in directions.items())
+
+
+def section(gaps: GapsSpec, tables: dict[str, Table], trends: list[dict], plot: str,
+            directions: dict[str, Optional[bool]]) -> str:
     x_text = GAP_QUANTITIES[gaps.x]
     arm, reference = f"`<shape>_{gaps.arm}`", f"`<shape>_{gaps.reference}`"
     return f"""\
@@ -214,7 +265,7 @@ finished run of both arms, and why.
 
 ![gap against {gaps.x}]({plot})
 
-"""
+{metric_sections(gaps, tables, directions)}"""
 
 
 def definitions(gaps: GapsSpec) -> str:
@@ -241,4 +292,9 @@ def definitions(gaps: GapsSpec) -> str:
   dot (a seed's dots joined by a thin line; dots shifted sideways by seed), the trend line a + b̄ · log2 x
   with ā the mean of the a_s, the power law a · x^b̄ where it is defined, and a line at 0; x on a log2
   axis, ticks at the shapes' x. Its numbers: `gap_seeds.csv`. LaTeX: `gaps.tex`, `gap_trend.tex`.
-"""
+""" + ("" if not gaps.metrics else f"""\
+- Metric gaps (the spec's `gaps.metrics`: {", ".join(f"`{metric}`" for metric in gaps.metrics)}): the same paired
+  gap per shape on an evaluation's summary metric (`evaluations/<evaluation>.json`) instead of the loss,
+  over the seeds where both runs have it; "worse" follows the evaluation's `higher_is_better`. No trend
+  fit. Tables `gaps_<evaluation>_<metric>` (CSV, JSON, LaTeX).
+""")

@@ -81,6 +81,9 @@ class GapsSpec:
     """Suffix of their twins (e.g. vanilla: heads2_vanilla, ...)."""
     x: str = ""
     """What the shapes vary, read from each run: one of GAP_QUANTITIES."""
+    metrics: list[str] = field(default_factory=list)
+    """Evaluation summary metrics, `<evaluation>.<metric>` (e.g. probe.answer_accuracy), whose paired gap
+    per shape the report gives beside the loss's."""
 
     def validate(self, key: str) -> None:
         for name in ("arm", "reference"):
@@ -88,6 +91,10 @@ class GapsSpec:
                   "name the suffix after `<shape>_` of the arms (letters, digits, '_', '.', '-')")
         check(self.arm != self.reference, f"{key}.reference", f"must differ from arm ({self.arm!r})")
         check(self.x in GAP_QUANTITIES, f"{key}.x", f"{self.x!r} is not one of: {', '.join(GAP_QUANTITIES)}")
+        for metric in self.metrics:
+            check(metric.partition(".")[0] in EVALUATIONS and bool(metric.partition(".")[2]), f"{key}.metrics",
+                  f"{metric!r} is not <evaluation>.<metric> with an evaluation of {', '.join(EVALUATIONS)}")
+        check(len(set(self.metrics)) == len(self.metrics), f"{key}.metrics", "each metric at most once")
 
     def pairs(self, arms) -> list[GapPair]:
         """Every shape with both arms, in the order of `arms`: `<shape>_<arm>` and `<shape>_<reference>`."""
@@ -129,6 +136,9 @@ class SweepSpec:
         if self.gaps is not None:
             check(bool(self.gaps.pairs(self.arms)), "gaps", f"no shape has both arms <shape>_{self.gaps.arm} and "
                   f"<shape>_{self.gaps.reference} (the arms: {', '.join(self.arms)})")
+            unrun = [metric for metric in self.gaps.metrics if metric.partition(".")[0] not in self.evaluations]
+            check(not unrun, "gaps.metrics", f"{', '.join(unrun)}: the sweep runs no such evaluation "
+                  f"(evaluations: {self.evaluations})")
 
 
 @dataclass

@@ -197,8 +197,8 @@ def report(sweep, tmp_path_factory) -> Path:
 
 
 def markdown_table(report_md: str, heading: str) -> list[dict]:
-    """The Markdown table under `## heading` as header → cell dicts."""
-    section = report_md.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    """The Markdown table under the heading (any level) as header → cell dicts."""
+    section = report_md.split(f"# {heading}", 1)[1].split("\n#", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     split = [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines]
     return [dict(zip(split[0], row)) for row in split[2:]]
@@ -427,6 +427,7 @@ def test_command_line_and_its_errors(sweep, tmp_path, capsys):
 # (ora − vanilla) is exactly linear in log2 head_dim: c_s + b_s · (log2 x − 5), so every seed's
 # fitted slope is b_s. heads2_ora seed 5 failed; heads16_ora is a spec arm without a twin or a run.
 GAP_SEEDS = (1, 2, 3, 4, 5)
+GAPS = {"arm": "ora", "reference": "vanilla", "x": "head_dim", "metrics": ["probe.answer_accuracy"]}
 HEADS = {"heads8": 8, "heads4": 4, "heads2": 2}  # by head_dim 16, 32, 64
 GAP_C = {1: 0.055, 2: 0.07, 3: 0.035, 4: 0.065, 5: 0.04}  # no two gaps of a shape tie
 GAP_B = {1: -0.05, 2: -0.04, 3: -0.06, 4: -0.05, 5: -0.045}
@@ -448,11 +449,20 @@ def ora_loss(seed: int, shape: str) -> float:
     return vanilla_loss(seed, shape) + known_gap(seed, shape)
 
 
+def vanilla_accuracy(seed: int) -> float:
+    return 0.2 + 0.1 * (seed % 3)
+
+
+def ora_accuracy(seed: int) -> float:
+    return vanilla_accuracy(seed) + 0.05 * (seed - 2)  # seed 1 worse, seed 2 level, the rest better
+
+
 def write_gaps_spec(directory: Path, gaps: dict) -> Path:
     arms = {f"{shape}_{kind}": {"set": {"model.attention.type": kind}}
             for shape in HEADS for kind in ("ora", "vanilla")}
     spec = {"config": "small", "reference": "heads8_vanilla", "seeds": list(GAP_SEEDS), "scales": {"cpu": {}},
-            "arms": {**arms, "heads16_ora": {"set": {"model.attention.type": "ora"}}}, "gaps": gaps}
+            "arms": {**arms, "heads16_ora": {"set": {"model.attention.type": "ora"}}}, "evaluations": ["probe"],
+            "gaps": gaps}
     path = directory / "heads.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -470,7 +480,12 @@ def gap_sweep(tmp_path_factory) -> tuple[Path, Path]:
                           log_tail="RuntimeError: 5 consecutive steps had non-finite loss")
             else:
                 write_run(root, f"{shape}_ora", seed, final_loss=ora_loss(seed, shape), model=model, frozen=100)
-    return root, write_gaps_spec(root.parent, {"arm": "ora", "reference": "vanilla", "x": "head_dim"})
+                write_evaluation(RunDir(root / f"{shape}_ora" / f"seed{seed}"), "probe",
+                                 {"answer_accuracy": ora_accuracy(seed)}, {"answer_accuracy": True})
+            if (shape, seed) != ("heads8", 1):  # its probe did not run
+                write_evaluation(RunDir(root / f"{shape}_vanilla" / f"seed{seed}"), "probe",
+                                 {"answer_accuracy": vanilla_accuracy(seed)}, {"answer_accuracy": True})
+    return root, write_gaps_spec(root.parent, GAPS)
 
 
 @pytest.fixture(scope="module")
@@ -590,10 +605,30 @@ def test_gap_figure_latex_and_markdown(gap_report):
         [known_gap(s, "heads2") for s in (1, 2, 3, 4)])
 
 
+def test_gap_of_an_evaluation_metric_per_shape(gap_report):
+    """probe.answer_accuracy (higher is better): ora − vanilla per shape, worse where ora's is lower; a
+    run without the evaluation leaves its seed unpaired, named."""
+    rows = {row["shape"]: row for row in report_json(gap_report)["tables"]["gaps_probe_answer_accuracy"]}
+    assert list(rows) == ["heads8", "heads4", "heads2"]
+    for shape, row in rows.items():
+        seeds = [s for s in GAP_SEEDS if (shape, s) not in {("heads2", 5), ("heads8", 1)}]
+        gaps = [ora_accuracy(s) - vanilla_accuracy(s) for s in seeds]
+        assert row["pairs"] == len(seeds) and row["mean_difference"] == pytest.approx(statistics.fmean(gaps))
+        assert row["t_test_p"] == pytest.approx(stats.ttest_1samp(gaps, 0.0).pvalue)
+        assert row["worse_seeds"] == ("" if shape == "heads8" else "1")  # lower accuracy; seed 2 is level
+    assert rows["heads8"]["unpaired"] == "1: no value"
+    assert rows["heads2"]["unpaired"] == "5: heads2_ora failed (exit 3)"
+    text = (gap_report / "report.md").read_text()
+    assert "### probe.answer_accuracy: `<shape>_ora` − `<shape>_vanilla`" in text and "higher is better" in text
+    md = {row["shape"]: row for row in markdown_table(text, "probe.answer_accuracy")}
+    assert md["heads4"]["ora worse"] == "1 of 5"
+    assert r"\label{tab:gaps_probe_answer_accuracy}" in (gap_report / "gaps_probe_answer_accuracy.tex").read_text()
+
+
 def test_a_spec_lists_its_arms_without_runs_and_gives_the_reference(gap_report):
     document = report_json(gap_report)
     assert document["settings"]["reference"] == "heads8_vanilla"
-    assert document["settings"]["gaps"] == {"arm": "ora", "reference": "vanilla", "x": "head_dim"}
+    assert document["settings"]["gaps"] == GAPS
     not_used = {(r["arm"], r["seed"]): r["status"] for r in document["tables"]["not_used"]}
     assert not_used == {("heads2_ora", 5): "failed", **{("heads16_ora", s): "missing" for s in GAP_SEEDS}}
 
@@ -605,7 +640,9 @@ def test_without_gaps_the_report_has_no_gap_part(report):
 
 @pytest.mark.parametrize("gaps, key", [({"arm": "ora", "reference": "vanilla", "x": "width"}, "gaps.x"),
                                        ({"arm": "ora", "reference": "vanila", "x": "head_dim"}, "gaps"),
-                                       ({"arm": "ora", "reference": "vanilla", "y": 1}, "gaps.y")])
+                                       ({"arm": "ora", "reference": "vanilla", "y": 1}, "gaps.y"),
+                                       ({**GAPS, "metrics": ["answer_accuracy"]}, "gaps.metrics"),
+                                       ({**GAPS, "metrics": ["attention.entropy_ratio"]}, "gaps.metrics")])
 def test_an_invalid_gaps_key_is_refused_naming_it(gap_sweep, tmp_path, capsys, gaps, key):
     spec = write_gaps_spec(tmp_path, gaps)
     with pytest.raises(SystemExit) as exit_info:
