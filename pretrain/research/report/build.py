@@ -473,15 +473,19 @@ def gaps_part(spec: SweepSpec, sweep: Sweep, measures: Sequence[RunMeasures],
     section and its definitions."""
     gaps = spec.gaps
     pairs = gaps.pairs(spec.arms)
-    rows = shape_gaps.gap_rows(gaps, pairs, sweep.used, sweep.not_used, shape_gaps.loss_values(measures))
+    x_of = shape_gaps.run_xs(gaps, pairs, sweep.used)
+    rows = shape_gaps.gap_rows(pairs, x_of, sweep.used, sweep.not_used, shape_gaps.loss_values(measures))
     trends = shape_gaps.trends_of(rows)
     trend_rows = shape_gaps.trend_rows(trends, gaps)
     tables = {t.name: t for t in (shape_gaps.gaps_table(rows, gaps), shape_gaps.trend_table(trend_rows),
                                   shape_gaps.seeds_table(shape_gaps.seed_rows(rows, measures)))}
+    higher_is_better = evaluation_metrics(sweep.used, evaluations)
     directions = {}
     for metric in gaps.metrics:
-        values, directions[metric] = shape_gaps.metric_values(metric, evaluations)
-        metric_rows = shape_gaps.gap_rows(gaps, pairs, sweep.used, sweep.not_used, values, directions[metric])
+        key = tuple(metric.split(".", 1))
+        directions[metric] = higher_is_better.get(key)
+        metric_rows = shape_gaps.gap_rows(pairs, x_of, sweep.used, sweep.not_used,
+                                          shape_gaps.metric_values(key, evaluations), directions[metric])
         name = shape_gaps.metric_table_name(metric)
         tables[name] = shape_gaps.gaps_table(metric_rows, gaps, name)
     for name, caption in shape_gaps.captions(gaps, escape, directions).items():

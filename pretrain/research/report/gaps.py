@@ -58,30 +58,33 @@ def loss_values(measures: Sequence[RunMeasures]) -> dict[str, dict[int, float]]:
     return values
 
 
-def metric_values(metric: str, evaluations: dict[tuple[str, int], dict[str, Evaluation]]
-                  ) -> tuple[dict[str, dict[int, float]], Optional[bool]]:
-    """Arm → seed → the summary metric `<evaluation>.<metric>` of each run that has it, and whether
-    higher is better (None: no run has it)."""
-    name, _, key = metric.partition(".")
+def metric_values(metric: tuple[str, str], evaluations: dict[tuple[str, int], dict[str, Evaluation]]
+                  ) -> dict[str, dict[int, float]]:
+    """Arm → seed → the summary metric (evaluation, metric) of each run that has it."""
+    name, key = metric
     values: dict[str, dict[int, float]] = {}
-    higher = None
     for (arm, seed), found in evaluations.items():
         evaluation = found.get(name)
         if evaluation is not None and evaluation.summary.get(key) is not None:
             values.setdefault(arm, {})[seed] = evaluation.summary[key]
-            higher = evaluation.higher_is_better.get(key, higher)
-    return values, higher
+    return values
 
 
-def gap_rows(gaps: GapsSpec, pairs: Sequence[GapPair], used: Sequence[SweepRun], not_used: Sequence[dict],
-             values: dict[str, dict[int, float]], higher_is_better: Optional[bool] = False) -> list[dict]:
-    """One row per shape, by x: the paired comparison of its arm against its twin on `values` (arm →
-    seed → value: the final validation loss, or an evaluation's metric) (mean gap, 95% t interval,
-    t-test, Wilcoxon, d_z), Holm across the shapes per test, the seeds where the arm is worse, and
-    every seed of the sweep that is not a pair, with why. Each row keeps its per-seed gaps under
-    "seed_gaps" (seed → gap) for the plot."""
+def run_xs(gaps: GapsSpec, pairs: Sequence[GapPair], used: Sequence[SweepRun]
+           ) -> dict[tuple[str, int], Optional[float]]:
+    """(arm, seed) → x of every run of the pairs' arms in the statistics (read from the run once)."""
     names = {name for pair in pairs for name in (pair.arm, pair.reference)}
-    x_of = {(run.arm, run.seed): run_x(run, gaps.x) for run in used if run.arm in names}
+    return {(run.arm, run.seed): run_x(run, gaps.x) for run in used if run.arm in names}
+
+
+def gap_rows(pairs: Sequence[GapPair], x_of: dict[tuple[str, int], Optional[float]], used: Sequence[SweepRun],
+             not_used: Sequence[dict], values: dict[str, dict[int, float]],
+             higher_is_better: Optional[bool] = False) -> list[dict]:
+    """One row per shape, by x (`x_of`: run_xs): the paired comparison of its arm against its twin on
+    `values` (arm → seed → value: the final validation loss, or an evaluation's metric) (mean gap, 95%
+    t interval, t-test, Wilcoxon, d_z), Holm across the shapes per test, the seeds where the arm is
+    worse, and every seed of the sweep that is not a pair, with why. Each row keeps its per-seed gaps
+    under "seed_gaps" (seed → gap) for the plot."""
     missing = {(entry["arm"], entry["seed"]): entry for entry in not_used}
     seeds = sorted({run.seed for run in used} | {entry["seed"] for entry in not_used})
     sign = -1 if higher_is_better else 1
