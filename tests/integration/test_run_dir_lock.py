@@ -177,7 +177,7 @@ def _spec(directory: Path) -> Path:
     spec = {"config": "run.yaml", "reference": "finished", "seeds": [1],
             "scales": {"cpu": {"processes_per_node": 1, "set": {"train.steps": 4}}},
             "arms": {name: {"set": {"model.attention.type": "ora"}} for name in
-                     ("finished", "completed_alone", "held", "pending")}}
+                     ("finished", "completed_alone", "held", "pending", "killed_before_a_save")}}
     path = directory / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -241,6 +241,7 @@ def test_dry_run_decides_as_the_real_sweep_does(tmp_path, capsys):
     runs = {run.arm: run for run in expand(load_spec(spec), "cpu", None, [], out)}
     _finish(runs["finished"], "finished", "0" * 64)  # finished with another config than the spec's now
     _finish(runs["completed_alone"], "running", config_hash(runs["completed_alone"].cfg))
+    runs["killed_before_a_save"].run_dir.write_experiment(started_record(runs["killed_before_a_save"], "revision"))
     held = runs["held"].run_dir.acquire_lock()  # any job in the run dir, not only a sweep
     try:
         assert sweep_main(["--spec", str(spec), "--out", str(out), "--dry-run"]) == 0
@@ -248,7 +249,9 @@ def test_dry_run_decides_as_the_real_sweep_does(tmp_path, capsys):
         assert captured.out.splitlines() == ["spec/finished/seed1: finished -> skip",
                                              "spec/completed_alone/seed1: finished -> skip",
                                              "spec/held/seed1: running -> skip (running elsewhere)",
-                                             "spec/pending/seed1: pending -> start"]
+                                             "spec/pending/seed1: pending -> start",
+                                             "spec/killed_before_a_save/seed1: interrupted -> "
+                                             "restart (from step 0: it saved no checkpoint)"]
         assert "warning: spec/finished/seed1 finished with another config" in captured.err
         assert runs["completed_alone"].run_dir.read_experiment().status == "running", "a dry run writes nothing"
 

@@ -246,16 +246,24 @@ def status_table(runs: list[Run]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
+def restart_text(run: Run) -> str:
+    """A run killed before its first save starts again from step 0; the plan says which it is."""
+    if run.run_dir.latest_checkpoint() is None:
+        return "restart (from step 0: it saved no checkpoint)"
+    return "restart (resumes its checkpoint)"
+
+
 def plan_text(runs: list[Run], tasks: list[Task]) -> str:
     """Each run's state and what plan() decided for it, then each of its evaluations' with the command."""
-    started = {"pending": "start", "interrupted": "restart (resumes its checkpoint)", "failed": "retry"}
+    started = {"pending": "start", "failed": "retry"}
     skipped = {"finished": "skip", "running": "skip (running elsewhere)",
                "failed": "skip (failed; --retry-failed reruns it)"}
     planned = {task.run.experiment_id: task for task in tasks}
     lines = []
     for run in runs:
         state, task = run_state(run), planned.get(run.experiment_id)
-        lines.append(f"{run.experiment_id}: {state} -> {started[state] if task and task.train else skipped[state]}")
+        action = restart_text(run) if state == "interrupted" else started.get(state)
+        lines.append(f"{run.experiment_id}: {state} -> {action if task and task.train else skipped[state]}")
         for name in run.spec.body.evaluations:
             evaluation = evaluation_state(run, name)
             if task is not None and name in task.evaluations:
