@@ -27,7 +27,7 @@ from pretrain.research.report.runs import (
 from pretrain.research.report.sources import sources_markdown, sources_table
 from pretrain.research.report.stats import HOLM_TESTS, PairedComparison, add_holm, compare_paired, spread
 from pretrain.research.report.tables import NA, Column, Table, count, fixed, mean_std, plain, significant
-from pretrain.research.sweep.spec import SweepError, SweepSpec, load_spec
+from pretrain.research.sweep.spec import SweepError, SweepSpec, load_spec, metric_key
 
 # Measures averaged over an arm's seeds (mean and sample std of the per-seed values).
 AVERAGED = ("final_valid_loss", "final_valid_ppl", "steps_to_target", "seconds_to_target", "aucc",
@@ -482,7 +482,7 @@ def gaps_part(spec: SweepSpec, sweep: Sweep, measures: Sequence[RunMeasures],
     higher_is_better = evaluation_metrics(sweep.used, evaluations)
     directions = {}
     for metric in gaps.metrics:
-        key = tuple(metric.split(".", 1))
+        key = metric_key(metric)
         directions[metric] = higher_is_better.get(key)
         metric_rows = shape_gaps.gap_rows(pairs, x_of, sweep.used, sweep.not_used,
                                           shape_gaps.metric_values(key, evaluations), directions[metric])

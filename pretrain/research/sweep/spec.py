@@ -70,6 +70,12 @@ class GapPair:
     reference: str  # <shape>_<gaps.reference>
 
 
+def metric_key(metric: str) -> tuple[str, str]:
+    """`<evaluation>.<metric>` (a gaps.metrics entry) as (evaluation, metric)."""
+    evaluation, _, name = metric.partition(".")
+    return evaluation, name
+
+
 @dataclass
 class GapsSpec:
     """The question "how does arm − reference move with shape": arms named `<shape>_<arm>` and
@@ -92,7 +98,8 @@ class GapsSpec:
         check(self.arm != self.reference, f"{key}.reference", f"must differ from arm ({self.arm!r})")
         check(self.x in GAP_QUANTITIES, f"{key}.x", f"{self.x!r} is not one of: {', '.join(GAP_QUANTITIES)}")
         for metric in self.metrics:
-            check(metric.partition(".")[0] in EVALUATIONS and bool(metric.partition(".")[2]), f"{key}.metrics",
+            evaluation, name = metric_key(metric)
+            check(evaluation in EVALUATIONS and bool(name), f"{key}.metrics",
                   f"{metric!r} is not <evaluation>.<metric> with an evaluation of {', '.join(EVALUATIONS)}")
         check(len(set(self.metrics)) == len(self.metrics), f"{key}.metrics", "each metric at most once")
 
@@ -136,7 +143,7 @@ class SweepSpec:
         if self.gaps is not None:
             check(bool(self.gaps.pairs(self.arms)), "gaps", f"no shape has both arms <shape>_{self.gaps.arm} and "
                   f"<shape>_{self.gaps.reference} (the arms: {', '.join(self.arms)})")
-            unrun = [metric for metric in self.gaps.metrics if metric.partition(".")[0] not in self.evaluations]
+            unrun = [metric for metric in self.gaps.metrics if metric_key(metric)[0] not in self.evaluations]
             check(not unrun, "gaps.metrics", f"{', '.join(unrun)}: the sweep runs no such evaluation "
                   f"(evaluations: {self.evaluations})")
 

@@ -262,8 +262,11 @@ def plan_text(runs: list[Run], tasks: list[Task]) -> str:
     lines = []
     for run in runs:
         state, task = run_state(run), planned.get(run.experiment_id)
-        action = restart_text(run) if state == "interrupted" else started.get(state)
-        lines.append(f"{run.experiment_id}: {state} -> {action if task and task.train else skipped[state]}")
+        if not (task and task.train):
+            action = skipped[state]
+        else:
+            action = restart_text(run) if state == "interrupted" else started[state]
+        lines.append(f"{run.experiment_id}: {state} -> {action}")
         for name in run.spec.body.evaluations:
             evaluation = evaluation_state(run, name)
             if task is not None and name in task.evaluations:
