@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -50,6 +51,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.distributed)
         elif SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, megatron-core, transformers: some 600,000 objects) lives as long as the
+    process. Frozen, it is skipped by every full garbage collection after it: the collector's own passes during
+    the tests, pytest's at the end of the session and the interpreter's at exit (about 4 s of make test-fast)."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
