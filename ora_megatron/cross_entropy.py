@@ -11,7 +11,7 @@ Two ways to it, the same definition (`masked_mean` of megatron-core's per-token 
   projection with the loss, as Liger-Kernel's fused linear cross entropy does: tokens are taken
   `LOGITS_CHUNK_BYTES` of fp32 logits at a time, and each chunk's gradients w.r.t. the hidden states and
   the weight are computed in the forward, so backward keeps [tokens × h] + [V × h], never a
-  [tokens × V] tensor. The matmuls run in the weight's dtype, the softmax in fp32.
+  [tokens × V] tensor. The matmuls run in the weight's dtype, the log-softmax in fp32.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-# fp32 logits of one chunk of tokens in the fused loss (e.g. 512 tokens at a vocabulary of 32k).
-LOGITS_CHUNK_BYTES = 64 * 2**20
+# fp32 logits of one chunk of tokens in the fused loss (some 2,000 tokens at a vocabulary of 32k): each chunk costs
+# a dozen kernel launches and one fp32 sum of the [V × h] weight gradient, so chunks are as large as
+# a small share of a GPU's memory allows.
+LOGITS_CHUNK_BYTES = 256 * 2**20
 
 
 class _OneRankCrossEntropy(torch.autograd.Function):
@@ -86,14 +88,21 @@ def lm_loss(logits: torch.Tensor, labels_and_mask) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """`masked_mean` of the cross entropy of `hidden @ weight.T`, chunk by chunk over the tokens; the
-    gradients are computed in forward and only scaled by the loss's gradient in backward."""
+    gradients are computed in forward and only scaled by the loss's gradient in backward.
+
+    A chunk's logits take a few passes over [chunk × V]: fp32 logits, their fused log-softmax (the
+    loss is its value at the target; two fp32 copies are alive at once), its exponential (the
+    softmax) written in the weight's dtype, and the two matmuls of the gradients. The gradient of a
+    token's loss w.r.t. its logits is softmax − one-hot; the tokens' weights (mask / masked count)
+    scale the [chunk × h] operands, not [chunk × V]. megatron-core's steps make some ten passes over
+    fp32 logits: on an H100 they took 40% of Small's device time (docs/results/gpu/)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, hidden_needs_grad: bool, weight_needs_grad: bool):
         tokens, vocab = hidden.size(0), weight.size(0)
         chunk = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
         mask = loss_mask.float()
-        token_grad = mask / mask.sum().clamp(min=1.0)  # d loss / d (each token's loss)
+        scale = 1.0 / mask.sum().clamp(min=1.0)  # d loss / d (each unmasked token's loss)
         losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden_needs_grad else None
         # Summed over chunks in fp32 whatever the weight's dtype, rounded to it once at the end.
@@ -101,18 +110,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                        if weight_needs_grad else None)
         for start in range(0, tokens, chunk):
             rows = slice(start, start + chunk)
-            softmax, target_mask, masked_target, loss = _OneRankCrossEntropy.softmax_and_loss(
-                hidden[rows] @ weight.t(), labels[rows])
-            losses[rows] = loss
+            target = labels[rows].unsqueeze(1)
+            logits = (hidden[rows] @ weight.t()).float()
+            log_probs = torch.log_softmax(logits, dim=-1)
+            del logits
+            losses[rows] = log_probs.gather(1, target).squeeze(1).neg_()
             if grad_hidden is None and grad_weight is None:
                 continue
-            grad_logits = _OneRankCrossEntropy.logits_grad(
-                softmax, target_mask, masked_target, token_grad[rows]).to(weight.dtype)
+            grad_logits = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=weight.dtype))
+            del log_probs
+            grad_logits.scatter_add_(1, target, grad_logits.new_full(target.shape, -1.0))
+            row_weights = mask[rows].unsqueeze(1)
             if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ weight
+                grad_hidden[rows] = (grad_logits @ weight) * (row_weights * scale)
             if grad_weight is not None:
-                grad_weight += grad_logits.t() @ hidden[rows]
-        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+                grad_weight += grad_logits.t() @ (hidden[rows] * row_weights).to(weight.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(scale).to(weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return masked_mean(losses, mask)
 
     @staticmethod

@@ -2,7 +2,7 @@
 
     python -m pretrain.research.gpu_report --out DIR [--presets small,base] [--arms vanilla,ora,ora_hadamard]
         [--sections tests,bench,train,profile] [--bench-steps 5] [--train-steps 50] [--profile-steps 3]
-        [--budget-s 330]
+        [--set KEY=VALUE ...] [--budget-s 330]
     python -m pretrain.research.gpu_report --check-imports
 
 Within --budget-s (330 s by default) it runs, in this order:
@@ -66,6 +66,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ora_megatron.config_io import ConfigError
 from pretrain.config import load_run_config
 from pretrain.paths import REPO, preset_path
 
@@ -104,10 +105,10 @@ class Outcome:
     detail: Optional[str] = None  # what went wrong, where something did
 
 
-def train_overrides(steps: int) -> list[str]:
-    """The preset as it is, trained for `steps` steps on mock data, logged every few steps, writing
-    nothing but metrics.jsonl, its summary and a final checkpoint."""
-    return [f"train.steps={steps}", f"train.log_interval={TRAIN_LOG_INTERVAL}", "train.eval_iters=1",
+def train_overrides(steps: int, sets: list[str] = ()) -> list[str]:
+    """The preset with the report's --set overrides, trained for `steps` steps on mock data, logged every few
+    steps, writing nothing but metrics.jsonl, its summary and a final checkpoint."""
+    return [*sets, f"train.steps={steps}", f"train.log_interval={TRAIN_LOG_INTERVAL}", "train.eval_iters=1",
             f"optimizer.warmup_steps={max(1, steps // 10)}", "data.mock=true", "data.manifest=null",
             "logging.wandb_mode=disabled", "logging.tensorboard=false", "logging.progress=false"]
 
@@ -192,6 +193,7 @@ def build_report(measured: dict) -> dict:
         "command": measured["command"],
         "budget_s": measured["budget_s"],
         "elapsed_s": measured["elapsed_s"],
+        "overrides": measured["overrides"],
         "environment": measured["environment"],
         "peaks": peaks,
         "memory_plans": {preset: run["outcome"] for preset, run in plans.items()},
@@ -201,7 +203,8 @@ def build_report(measured: dict) -> dict:
                   "outcomes": {preset: run["outcome"] for preset, run in bench.items()},
                   "rows": [row for preset, run in bench.items() if run.get("report")
                            for row in bench_rows(preset, run["report"], peaks, plans.get(preset, {}).get("arms", {}))]},
-        "train": {"steps": measured["train_steps"], "overrides": train_overrides(measured["train_steps"]),
+        "train": {"steps": measured["train_steps"],
+                  "overrides": train_overrides(measured["train_steps"], measured["overrides"]),
                   "outcomes": {preset: run["outcome"] for preset, run in train.items()},
                   "rows": [row for preset, run in train.items() if run.get("records")
                            if (row := train_row(preset, run, peaks, plans.get(preset, {}).get("train")))]},
@@ -357,22 +360,24 @@ def measure_tests(out: Path, budget: Budget) -> dict:
     return {"outcome": asdict(outcome), "junit_xml": junit.read_text() if junit.is_file() else None}
 
 
-def measure_bench(out: Path, budget: Budget, preset: str, arms: list[str], steps: int) -> dict:
+def measure_bench(out: Path, budget: Budget, preset: str, arms: list[str], steps: int, sets: list[str]) -> dict:
     report = out / "bench" / f"{preset}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pretrain.research.benchmarks.compare_arms", "--config", preset,
                "--arms", ",".join(arms), "--steps", str(steps), "--warmup", str(BENCH_WARMUP), "--json", str(report)]
+    for item in sets:
+        command += ["--set", item]
     outcome = run_command(command, out, f"bench-{preset}", _timeout(budget, "bench"))
     return {"outcome": asdict(outcome), "report": json.loads(report.read_text()) if report.is_file() else None}
 
 
-def measure_train(out: Path, budget: Budget, preset: str, steps: int) -> dict:
+def measure_train(out: Path, budget: Budget, preset: str, steps: int, sets: list[str]) -> dict:
     from pretrain.run_dir import RunDir
     from pretrain.runtime.accounting import flops_per_token
 
     config = preset_path(preset)
-    overrides = train_overrides(steps)
+    overrides = train_overrides(steps, sets)
     cfg = load_run_config(str(config), overrides)
     run_dir = out / "train" / preset
     shutil.rmtree(run_dir, ignore_errors=True)  # a new run, not the resume of an earlier report's
@@ -389,7 +394,7 @@ def measure_train(out: Path, budget: Budget, preset: str, steps: int) -> dict:
                                                  "peak_mem_bytes")} for r in records]}
 
 
-def memory_plans(preset: str, arms: list[str], train_steps: int, gpu_memory_gb: float) -> dict:
+def memory_plans(preset: str, arms: list[str], train_steps: int, sets: list[str], gpu_memory_gb: float) -> dict:
     """pretrain.research.memory_plan's plan of each arm's config (as compare_arms makes it) and of the
     training run's, for one GPU of this size."""
     from pretrain.research.benchmarks.compare_arms import arm_config
@@ -397,8 +402,8 @@ def memory_plans(preset: str, arms: list[str], train_steps: int, gpu_memory_gb: 
 
     start = time.monotonic()
     try:
-        train_cfg = load_run_config(str(preset_path(preset)), train_overrides(train_steps))
-        plans = {"arms": {arm: plan(arm_config(preset, [], arm)[0], 1, gpu_memory_gb) for arm in arms},
+        train_cfg = load_run_config(str(preset_path(preset)), train_overrides(train_steps, sets))
+        plans = {"arms": {arm: plan(arm_config(preset, sets, arm)[0], 1, gpu_memory_gb) for arm in arms},
                  "train": plan(train_cfg, 1, gpu_memory_gb)}
         return {"outcome": asdict(Outcome("ok", time.monotonic() - start)), **plans}
     except Exception:
@@ -422,12 +427,12 @@ def profiled(step: Callable[[int], object], steps: int, trace: Path) -> list[tup
             if event.device_type == DeviceType.CUDA]
 
 
-def profile_arm(preset: str, arm: str, steps: int, trace: Path) -> list[tuple[str, float, int]]:
+def profile_arm(preset: str, arm: str, steps: int, sets: list[str], trace: Path) -> list[tuple[str, float, int]]:
     """One arm's engine, built as compare_arms builds it, two untimed steps, then `steps` profiled ones."""
     from pretrain.research.benchmarks.compare_arms import Arm, arm_config, synthetic_batches
     from pretrain.runtime.engine import build_engine
 
-    cfg, grad_accum = arm_config(preset, [], arm)
+    cfg, grad_accum = arm_config(preset, sets, arm)
     runner = Arm(arm, cfg, grad_accum, build_engine(cfg, grad_accum))
     batches = synthetic_batches(cfg, count=4)
     for step in range(PROFILE_WARMUP):
@@ -435,13 +440,13 @@ def profile_arm(preset: str, arm: str, steps: int, trace: Path) -> list[tuple[st
     return profiled(lambda index: runner.train_step(batches, PROFILE_WARMUP + index), steps, trace)
 
 
-def measure_profile(out: Path, budget: Budget, preset: str, arm: str, steps: int) -> dict:
+def measure_profile(out: Path, budget: Budget, preset: str, arm: str, steps: int, sets: list[str]) -> dict:
     if budget.left < PROFILE_ARM_S:
         return {"outcome": asdict(Outcome("skipped", detail="the time budget is spent"))}
     start = time.monotonic()
     trace = out / "profile" / f"{preset}-{arm}.json.gz"
     try:
-        events = profile_arm(preset, arm, steps, trace)
+        events = profile_arm(preset, arm, steps, sets, trace)
         return {"outcome": asdict(Outcome("ok", time.monotonic() - start)), "trace": str(trace.relative_to(out)),
                 "events": events}
     except Exception:  # one arm's failure (out of memory, say) is its row's, not the report's
@@ -472,7 +477,8 @@ def measure(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -> 
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": ["python", "-m", __spec__.name, *args.argv], "budget_s": args.budget_s,
                 "environment": environment(), "bench_steps": args.bench_steps, "train_steps": args.train_steps,
-                "profile_steps": args.profile_steps, "tests": {"outcome": asdict(Outcome(NOT_ASKED))},
+                "profile_steps": args.profile_steps, "overrides": args.set,
+                "tests": {"outcome": asdict(Outcome(NOT_ASKED))},
                 "bench": {}, "train": {}, "profile": {}, "plans": {}}
     measured["peaks"] = {}
     for preset in args.presets:
@@ -483,21 +489,22 @@ def measure(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -> 
         measured["tests"] = measure_tests(out, budget)
         log(f"tests: {measured['tests']['outcome']['status']}")
     for preset in args.presets if "bench" in args.sections else []:
-        measured["bench"][preset] = measure_bench(out, budget, preset, args.arms, args.bench_steps)
+        measured["bench"][preset] = measure_bench(out, budget, preset, args.arms, args.bench_steps, args.set)
         log(f"bench {preset}: {measured['bench'][preset]['outcome']['status']}")
     for preset in args.presets if "train" in args.sections else []:
-        measured["train"][preset] = measure_train(out, budget, preset, args.train_steps)
+        measured["train"][preset] = measure_train(out, budget, preset, args.train_steps, args.set)
         log(f"train {preset}: {measured['train'][preset]['outcome']['status']}")
     init_distributed(1, 1)
     try:
         gpu_memory_gb = measured["environment"]["memory_bytes"] / GIB
         for preset in args.presets:
-            measured["plans"][preset] = memory_plans(preset, args.arms, args.train_steps, gpu_memory_gb)
+            measured["plans"][preset] = memory_plans(preset, args.arms, args.train_steps, args.set, gpu_memory_gb)
             log(f"memory plans {preset}: {measured['plans'][preset]['outcome']['status']}")
         for preset in args.presets if "profile" in args.sections else []:
             measured["profile"][preset] = {}
             for arm in args.arms:
-                measured["profile"][preset][arm] = measure_profile(out, budget, preset, arm, args.profile_steps)
+                measured["profile"][preset][arm] = measure_profile(out, budget, preset, arm, args.profile_steps,
+                                                                   args.set)
                 log(f"profile {preset} {arm}: {measured['profile'][preset][arm]['outcome']['status']}")
     finally:
         destroy_distributed()
@@ -542,6 +549,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--bench-steps", type=int, default=5, help="timed compare_arms steps per arm (default 5)")
     parser.add_argument("--train-steps", type=int, default=50, help="training steps per preset (default 50)")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per arm (default 3)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override of every preset's runs (bench, train, plans, profiles), repeatable: "
+                             "e.g. train.micro_batch_size=64 to fill the GPU with fewer accumulation steps")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help=f"time for all of it, seconds (default {BUDGET_S:g})")
     args = parser.parse_args(argv)
@@ -555,6 +565,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     missing = [preset for preset in args.presets if preset_path(preset) is None]
     if missing:
         parser.error(f"--presets: no preset {', '.join(missing)} in pretrain/configs/")
+    for preset in args.presets:  # before any GPU time is spent, naming the key
+        try:
+            load_run_config(str(preset_path(preset)), train_overrides(args.train_steps, args.set))
+        except ConfigError as e:
+            parser.error(f"--set on preset {preset}: {e}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
 

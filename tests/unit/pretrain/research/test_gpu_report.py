@@ -51,6 +51,7 @@ def measurements() -> dict:
     return {
         "created": "2026-01-01T00:00:00+00:00", "command": ["python", "-m", "pretrain.research.gpu_report"],
         "budget_s": 600.0, "elapsed_s": 321.0, "bench_steps": 5, "train_steps": 50, "profile_steps": 3,
+        "overrides": ["train.micro_batch_size=32"],
         "environment": {"device": PEAK["device"], "capability": "9.0", "memory_bytes": 80 * GIB, "device_count": 1,
                         "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91000, "deepspeed": "0.19.8",
                         "megatron_core": "0.19.2", "python": "3.12.3", "hostname": "gpu"},
@@ -93,6 +94,8 @@ def test_without_cuda_it_says_so_and_exits_2_before_loading_deepspeed(monkeypatc
     (["--sections", "tests,speed"], "unknown speed"),
     (["--presets", "small,huge"], "no preset huge"),
     (["--train-steps", "5"], "--train-steps >= 10"),
+    (["--set", "train.micro_batch=4"], "--set on preset small: config error at 'train.micro_batch'"),
+    (["--set", "train.micro_batch_size=3"], "train.global_batch_size"),
 ])
 def test_arguments_are_checked_first(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -121,8 +124,9 @@ def test_report_from_measurements():
     report = gpu_report.build_report(measured)
     json.dumps(report, allow_nan=False)  # JSON as it is written
     assert report["schema"] == "ora-gpu-report/1"
-    assert set(report) == {"schema", "created", "command", "budget_s", "elapsed_s", "environment", "peaks",
-                           "memory_plans", "tests", "bench", "train", "profile"}
+    assert set(report) == {"schema", "created", "command", "budget_s", "elapsed_s", "overrides", "environment",
+                           "peaks", "memory_plans", "tests", "bench", "train", "profile"}
+    assert report["train"]["overrides"][0] == "train.micro_batch_size=32"  # the report's own keys come after
     assert report["environment"]["device"] == "NVIDIA H100 80GB HBM3" and report["peaks"] == {"bf16": PEAK}
     assert report["tests"]["counts"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 1, "passed": 3}
 
