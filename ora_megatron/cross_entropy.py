@@ -11,7 +11,7 @@ Two ways to it, the same definition (`masked_mean` of megatron-core's per-token 
   projection with the loss, as Liger-Kernel's fused linear cross entropy does: tokens are taken
   `LOGITS_CHUNK_BYTES` of fp32 logits at a time, and each chunk's gradients w.r.t. the hidden states and
   the weight are computed in the forward, so backward keeps [tokens × h] + [V × h], never a
-  [tokens × V] tensor. The matmuls run in the weight's dtype, the log-softmax in fp32.
+  [tokens × V] tensor. The matmuls run in the weight's dtype, the softmax in fp32.
 """
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """`masked_mean` of the cross entropy of `hidden @ weight.T`, chunk by chunk over the tokens; the
     gradients are computed in forward and only scaled by the loss's gradient in backward.
 
-    A chunk's logits take a few passes over [chunk × V]: fp32 logits, their fused log-softmax (the
-    loss is its value at the target; two fp32 copies are alive at once), its exponential (the
-    softmax) written in the weight's dtype, and the two matmuls of the gradients. The gradient of a
-    token's loss w.r.t. its logits is softmax − one-hot; the tokens' weights (mask / masked count)
-    scale the [chunk × h] operands, not [chunk × V]. megatron-core's steps make some ten passes over
-    fp32 logits: on an H100 they took 40% of Small's device time (docs/results/gpu/)."""
+    A chunk's logits take six passes over [chunk × V]: their fp32 copy, then max, subtract,
+    exponential and sum in place, the softmax written once in the weight's dtype; and the two matmuls
+    of the gradients. The
+    gradient w.r.t. the logits is softmax − one-hot; the tokens' weights (mask / masked count) scale
+    the [chunk × h] operands, not [chunk × V]. megatron-core's steps make some ten passes over
+    fp32 logits: on an H100 they took half of Small's kernel time (docs/results/gpu/)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, hidden_needs_grad: bool, weight_needs_grad: bool):
@@ -112,14 +112,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk)
             target = labels[rows].unsqueeze(1)
             logits = (hidden[rows] @ weight.t()).float()
-            log_probs = torch.log_softmax(logits, dim=-1)
-            del logits
-            losses[rows] = log_probs.gather(1, target).squeeze(1).neg_()
+            top_logit = logits.amax(dim=-1, keepdim=True)
+            target_logit = logits.gather(1, target)
+            exp_logits = logits.sub_(top_logit).exp_()  # in place: one fp32 copy of the chunk
+            sum_exp = exp_logits.sum(dim=-1, keepdim=True)
+            losses[rows] = (sum_exp.log() - (target_logit - top_logit)).squeeze(1)
             if grad_hidden is None and grad_weight is None:
                 continue
-            grad_logits = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=weight.dtype))
-            del log_probs
-            grad_logits.scatter_add_(1, target, grad_logits.new_full(target.shape, -1.0))
+            # The softmax, written once in the weight's dtype (in place for fp32 weights).
+            same_dtype = weight.dtype == exp_logits.dtype
+            softmax = exp_logits if same_dtype else torch.empty_like(exp_logits, dtype=weight.dtype)
+            grad_logits = torch.div(exp_logits, sum_exp, out=softmax)
+            del logits, exp_logits
+            grad_logits[torch.arange(grad_logits.size(0), device=target.device), target.squeeze(1)] -= 1.0
             row_weights = mask[rows].unsqueeze(1)
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits @ weight) * (row_weights * scale)

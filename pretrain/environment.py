@@ -3,6 +3,7 @@ and the CUDA runtime's settings for the run's layout."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from pretrain.config import RunConfig
@@ -33,3 +34,10 @@ def device_environment(cfg: RunConfig) -> dict[str, str]:
     the device executes kernels in issue order: one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1).
     """
     return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.parallel.tensor > 1 else {}
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version, as its wheel states it. megatron.core.package_info's
+    `__version__` appends the short git hash of whatever repository holds its install folder: from a
+    virtualenv inside this checkout that is this project's HEAD, not megatron-core's."""
+    return importlib.metadata.version("megatron-core")

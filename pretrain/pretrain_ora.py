@@ -41,7 +41,7 @@ from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.init_from import ImportRefused, apply_record, forget_import, plan_import, write_import
 from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
 from pretrain.config import RunConfig, for_world, load_run_config, validate_for_world
-from pretrain.environment import device_environment, keep_offline
+from pretrain.environment import device_environment, keep_offline, megatron_core_version
 from pretrain.paths import REPO
 from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
 from pretrain.supervision import Attempt, RestartPolicy, StopJob, Supervisor, become_subreaper
@@ -177,7 +177,6 @@ def _git(*args: str) -> str:
 def versions() -> dict:
     import deepspeed
     import torch
-    from megatron.core import package_info
 
     try:
         rev, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
@@ -186,7 +185,7 @@ def versions() -> dict:
     if not rev:  # the Docker image has no .git; its build records the revision (docker/Dockerfile)
         rev = os.environ.get("ORA_GIT_REVISION", "")
     return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "megatron_core": package_info.__version__, "git_revision": rev, "git_dirty": dirty,
+            "megatron_core": megatron_core_version(), "git_revision": rev, "git_dirty": dirty,
             "cuda": torch.version.cuda, "hostname": platform.node()}
 
 

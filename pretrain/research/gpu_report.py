@@ -21,12 +21,10 @@ of time is reported so, and the others still run. A profile starts only with PRO
 memory plans come from pretrain.research.memory_plan's model for the same configs, computed here.
 
 The default budget keeps the report within 6 minutes on the GPU machine, so that a GPU window of 15 minutes
-holds a second run. The default work is expected to take 4-5 minutes on an H100 (an estimate from the
-presets' sizes and start-up times seen on CPU, not yet measured on a GPU): the gpu-marked tests ~30 s;
-compare_arms 25-35 s per preset (start-up and imports ~8 s, three engines, ~10 steps per arm at ~0.15 s for
-small and ~0.4 s for base: 15 and 45 TFLOP a step of 65,536 tokens); the training entry 25-40 s per preset
-(start-up, 50 steps, a final checkpoint of ~0.5 or ~1.4 GB); 10-25 s per profiled arm (an engine, 5 steps, the
-trace written).
+holds a second run. On an H100 (docs/results/gpu/) the default work needed more than the budget: the gpu-marked
+tests 34 s, compare_arms 39 s (small) and 61 s (base), the training entry 58 and 82 s, a profiled arm 15-32 s;
+within 330 s five of the six profiles were skipped. Those step times were at the presets' micro-batches,
+where one GPU is bound by the host; `--set train.micro_batch_size=64` measures one filled GPU.
 
 DIR/gpu_report.json (schema ora-gpu-report/1) and DIR/gpu_report.md (a table per section) hold, per
 preset and arm: the step time (median, min and max over the timed steps or windows), tokens/s, TFLOP/s
@@ -68,6 +66,7 @@ import torch
 
 from ora_megatron.config_io import ConfigError
 from pretrain.config import load_run_config
+from pretrain.environment import megatron_core_version
 from pretrain.paths import REPO, preset_path
 
 SCHEMA = "ora-gpu-report/1"
@@ -458,13 +457,12 @@ def measure_profile(out: Path, budget: Budget, preset: str, arm: str, steps: int
 
 def environment() -> dict:
     import deepspeed
-    from megatron.core import package_info
 
     props = torch.cuda.get_device_properties(0)
     return {"device": torch.cuda.get_device_name(0), "capability": f"{props.major}.{props.minor}",
             "memory_bytes": props.total_memory, "device_count": torch.cuda.device_count(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "deepspeed": deepspeed.__version__, "megatron_core": package_info.__version__,
+            "deepspeed": deepspeed.__version__, "megatron_core": megatron_core_version(),
             "python": platform.python_version(), "hostname": platform.node()}
 
 
@@ -525,10 +523,9 @@ def check_imports() -> int:
                 print(f"cannot import {name}, which the GPU report runs:\n{traceback.format_exc()}", file=sys.stderr)
                 return 1
     import deepspeed
-    from megatron.core import package_info
 
     print(f"the GPU report's imports: ok (torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, "
-          f"megatron-core {package_info.__version__}, CUDA device: {torch.cuda.is_available()})")
+          f"megatron-core {megatron_core_version()}, CUDA device: {torch.cuda.is_available()})")
     return 0
 
 

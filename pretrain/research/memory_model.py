@@ -322,12 +322,11 @@ def fused_loss(layout: Layout) -> bool:
 def logits_transient_bytes(model: ModelConfig, tokens: int, layout: Layout) -> int:
     """The logits in the training dtype, alive beside the fp32 softmax while the loss is computed
     (and their gradient beside it at the start of backward): e·s·b·V/tp on the last stage. The fused
-    loss holds one chunk of fp32 logits and their fp32 log-softmax, and the fp32 sum of the weight
-    gradient."""
+    loss holds one chunk of fp32 logits and their gradient, and the fp32 sum of the weight gradient."""
     vocab = padded_vocab_size(model)
     if fused_loss(layout):
         chunk = min(tokens, max(1, LOGITS_CHUNK_BYTES // (FP32 * vocab)))
-        return 2 * chunk * vocab * FP32 + vocab * model.hidden_size * FP32
+        return chunk * vocab * (FP32 + layout.dtype_bytes) + vocab * model.hidden_size * FP32
     return tokens * vocab // layout.tensor * layout.dtype_bytes
 
 
