@@ -14,8 +14,9 @@ Within --budget-s (330 s by default) it runs, in this order:
            logs every 5 steps, each record timed over the steps since the previous one; the first window
            (start-up) is left out;
   profile  for each preset and arm, a torch.profiler trace of --profile-steps training steps after two
-           untimed ones (DIR/profile/PRESET-ARM.json.gz: chrome://tracing or ui.perfetto.dev) and its 15
-           CUDA kernels with the most self device time.
+           untimed ones (DIR/profile/PRESET-ARM.json.gz: chrome://tracing or ui.perfetto.dev), its 15
+           CUDA kernels with the most self device time, and where the device time goes
+           (pretrain.research.trace_breakdown: busy share, kernel time by category, the fused loss's).
 Every command gets the budget that is left (and at most its section's share); one that fails or runs out
 of time is reported so, and the others still run. A profile starts only with PROFILE_ARM_S left. The peak
 memory plans come from pretrain.research.memory_plan's model for the same configs, computed here.
@@ -68,6 +69,7 @@ from ora_megatron.config_io import ConfigError
 from pretrain.config import load_run_config
 from pretrain.environment import megatron_core_version
 from pretrain.paths import REPO, preset_path
+from pretrain.research.trace_breakdown import breakdown, load_events
 
 SCHEMA = "ora-gpu-report/1"
 EXIT_NO_CUDA = 2
@@ -85,6 +87,7 @@ PROFILE_ARM_S = 45  # what one arm's profile is expected to need at most
 GIB = 2**30
 # What the report imports as it measures, in this process and in the commands it starts (the training entry,
 # compare_arms, the trainer they build, the profiler).
+FUSED_LOSS_OP = "_LinearCrossEntropy"  # ora_megatron.cross_entropy's autograd function, as the profiler names it
 RUN_PATH = ("deepspeed", "megatron.core", "ora_megatron.parallel", "pretrain.training.trainer",
             "pretrain.checkpoint.checkpointer", "pretrain.research.memory_model",
             "pretrain.research.benchmarks.compare_arms", "pretrain.pretrain_ora", "torch.profiler")
@@ -209,7 +212,8 @@ def build_report(measured: dict) -> dict:
                            if (row := train_row(preset, run, peaks, plans.get(preset, {}).get("train")))]},
         "profile": {"steps": measured["profile_steps"], "warmup": PROFILE_WARMUP,
                     "rows": [{"preset": preset, "arm": arm, "outcome": run["outcome"], "trace": run.get("trace"),
-                              "top_kernels": top_kernels(run["events"]) if run.get("events") else None}
+                              "top_kernels": top_kernels(run["events"]) if run.get("events") else None,
+                              "breakdown": run.get("breakdown")}
                              for preset, arms in profile.items() for arm, run in arms.items()]},
     }
 
@@ -253,6 +257,13 @@ def _memory_cells(memory: dict) -> list[str]:
     return [_cell(gib[0], "{:.2f}"), _cell(gib[1], "{:.2f}"), _cell(memory["measured_over_planned"], "{:.2f}")]
 
 
+def _breakdown_cells(where: dict) -> list[str]:
+    gemm, attention = where["categories"].get("gemm", 0.0), where["categories"].get("attention", 0.0)
+    loss = where["ops"].get(FUSED_LOSS_OP)
+    return [f"{gemm:.1f}", f"{attention:.1f}", f"{where['kernel_ms'] - gemm - attention:.1f}",
+            f"{loss['gemm_ms']:.1f} / {loss['other_ms']:.1f}" if loss else "–"]
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = ["# GPU report", "",
@@ -290,6 +301,13 @@ def markdown(report: dict) -> str:
                       *_speed_cells(row["timing"]), _cell(row["logged"]["mfu"], "{:.1%}"),
                       *_memory_cells(row["memory"])] for row in train["rows"]])
     profile = report["profile"]
+    lines += ["", f"## Where the device time goes (torch.profiler, {profile['steps']} steps; "
+              "pretrain.research.trace_breakdown; ms a step)", ""]
+    lines += _table(["preset", "arm", "kernels", "kernel ms", "busy / profiled span", "GEMM", "attention",
+                     "the rest", "fused loss: GEMM / the rest"],
+                    [[row["preset"], row["arm"], f"{where['kernels_per_step']:.0f}", f"{where['kernel_ms']:.1f}",
+                      _cell(where["busy_share"], "{:.0%}"), *_breakdown_cells(where)]
+                     for row in profile["rows"] if (where := row.get("breakdown"))])
     lines += ["", f"## Top CUDA kernels by self device time (torch.profiler, {profile['steps']} steps)", ""]
     lines += _table(["preset", "arm", "#", "kernel", "self ms", "calls", "share"],
                     [[row["preset"], row["arm"], str(rank), f"`{_cell(kernel['name'][:90])}`",
@@ -446,8 +464,9 @@ def measure_profile(out: Path, budget: Budget, preset: str, arm: str, steps: int
     trace = out / "profile" / f"{preset}-{arm}.json.gz"
     try:
         events = profile_arm(preset, arm, steps, sets, trace)
+        where = breakdown(load_events(trace), steps, (FUSED_LOSS_OP,))
         return {"outcome": asdict(Outcome("ok", time.monotonic() - start)), "trace": str(trace.relative_to(out)),
-                "events": events}
+                "events": events, "breakdown": where}
     except Exception:  # one arm's failure (out of memory, say) is its row's, not the report's
         return {"outcome": asdict(Outcome("failed", time.monotonic() - start, detail=traceback.format_exc()))}
     finally:  # the arm's engine is gone with profile_arm's frame: its memory goes back before the next arm

@@ -69,7 +69,11 @@ def measurements() -> dict:
         "plans": {"small": {"outcome": outcome(), "arms": {"vanilla": plan(8.0), "ora": plan(7.0)},
                             "train": plan(10.0)}},
         "profile": {"small": {"vanilla": {"outcome": outcome(), "trace": "profile/small-vanilla.json.gz",
-                                          "events": events},
+                                          "events": events, "breakdown": {
+                                              "steps": 3, "kernels_per_step": 4192.0, "span_ms": 290.2,
+                                              "busy_ms": 154.7, "busy_share": 0.533, "kernel_ms": 154.7,
+                                              "categories": {"gemm": 58.7, "elementwise": 32.6, "attention": 16.1},
+                                              "ops": {"_LinearCrossEntropy": {"gemm_ms": 13.2, "other_ms": 27.0}}}},
                               "ora": {"outcome": outcome("skipped", "the time budget is spent")}}},
     }
 
@@ -154,6 +158,7 @@ def test_report_from_measurements():
                                                  "share": 2000 / sum(100 * (i + 1) for i in range(20))}
     assert [k["self_device_ms"] for k in kernels] == sorted((k["self_device_ms"] for k in kernels), reverse=True)
     assert skipped["top_kernels"] is None and skipped["outcome"]["status"] == "skipped"
+    assert profiled["breakdown"]["busy_share"] == 0.533 and skipped["breakdown"] is None
 
     assert gpu_report.failures(report) == ["tests pytest -m gpu: failed", "bench base: timed out",
                                            "profile small ora: skipped"]
@@ -165,12 +170,14 @@ def test_markdown_has_a_table_per_section():
     text = gpu_report.markdown(gpu_report.build_report(measurements()))
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert [h.split(" (")[0] for h in headings] == ["## Environment", "## GPU tests", "## Arms side by side",
-                                                     "## Training loop", "## Top CUDA kernels by self device time",
+                                                     "## Training loop", "## Where the device time goes",
+                                                     "## Top CUDA kernels by self device time",
                                                      "## Commands and steps"]
     for section in text.split("\n## ")[1:]:
         assert "|---|" in section, section.splitlines()[0]
     assert "| small | vanilla | 250.0 | 200.0–300.0 | 262,144 | 262.1 | 26.5% | 4.00 | 8.00 | 0.50 |" in text
     assert "H100 SXM bf16 dense 989.5 TFLOP/s" in text
+    assert "| small | vanilla | 4192 | 154.7 | 53% | 58.7 | 16.1 | 79.9 | 13.2 / 27.0 |" in text
     assert "| bench | base | timed out | 12 | logs/x.log | stopped after 180 s |" in text
 
 

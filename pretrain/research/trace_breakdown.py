@@ -1,0 +1,138 @@
+"""Where the device time of profiled training steps goes, from a torch.profiler Chrome trace.
+
+    python -m pretrain.research.trace_breakdown TRACE.json.gz [...] --steps 3 [--op _LinearCrossEntropy] [--json F]
+
+The traces are the GPU report's (DIR/profile/PRESET-ARM.json.gz, `--steps` its --profile-steps). Per trace,
+per step: the kernels launched, the span from the first kernel's start to the last one's end, the time at
+least one kernel ran (busy) and its share of the span, the kernel time by category (GEMM, attention, layer
+norm, softmax, ...: `category`, from the kernel's name), and the kernel time launched from inside each
+`--op` (a CPU operator or autograd function by name: `_LinearCrossEntropy` is the fused output projection
+and loss), GEMMs apart. The profiler slows the host, so the busy share of a profiled span is a lower bound
+of an unprofiled step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+# (category, substrings of a kernel's name), the first match wins: SDPA's cuDNN kernels before GEMMs (their
+# names hold "gemm"-like tiles), softmax before the elementwise kernels.
+CATEGORIES = (
+    ("attention", ("sdpa", "flash", "fmha", "cudnn")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma")),
+    ("layer norm", ("layer_norm", "GammaBeta")),
+    ("softmax", ("SoftMax",)),
+    ("optimizer", ("multi_tensor",)),
+    ("triton fusions", ("triton_",)),
+    ("elementwise", ("elementwise",)),
+    ("reduction", ("reduce_kernel",)),
+    ("copy", ("copy", "Copy")),
+)
+OTHER = "other"
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # cuBLAS launches its GEMMs through the driver API
+
+
+def category(kernel_name: str) -> str:
+    return next((name for name, parts in CATEGORIES if any(part in kernel_name for part in parts)), OTHER)
+
+
+def load_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    busy, current = 0.0, None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            busy += 0.0 if current is None else current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    return busy + (current[1] - current[0] if current else 0.0)
+
+
+def _launched_under(kernels: list[dict], events: list[dict], op: str) -> list[dict]:
+    """The kernels whose launch (matched by correlation id) happened while a CPU event named `op` ran."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == op and e.get("ph") == "X")
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    starts = [start for start, _ in spans]
+    inside = []
+    for kernel in kernels:
+        launched = launches.get(kernel.get("args", {}).get("correlation"))
+        if launched is None:
+            continue
+        index = bisect.bisect_right(starts, launched) - 1
+        if index >= 0 and launched <= spans[index][1]:
+            inside.append(kernel)
+    return inside
+
+
+def breakdown(events: list[dict], steps: int, ops: tuple[str, ...] = ()) -> dict:
+    """Per-step figures of one trace's kernels (ms unless named otherwise); see the module's docstring."""
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        return {"steps": steps, "kernels_per_step": 0, "span_ms": 0.0, "busy_ms": 0.0, "busy_share": None,
+                "kernel_ms": 0.0, "categories": {}, "ops": {op: {"gemm_ms": 0.0, "other_ms": 0.0} for op in ops}}
+    span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+    busy = _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    per_category: dict[str, float] = {}
+    for kernel in kernels:
+        name = category(kernel["name"])
+        per_category[name] = per_category.get(name, 0.0) + kernel["dur"]
+    under = {}
+    for op in ops:
+        inside = _launched_under(kernels, events, op)
+        gemm = sum(k["dur"] for k in inside if category(k["name"]) == "gemm")
+        under[op] = {"gemm_ms": gemm / 1e3 / steps, "other_ms": (sum(k["dur"] for k in inside) - gemm) / 1e3 / steps}
+    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / 1e3 / steps,
+            "busy_ms": busy / 1e3 / steps, "busy_share": busy / span if span else None,
+            "kernel_ms": sum(k["dur"] for k in kernels) / 1e3 / steps,
+            "categories": {name: us / 1e3 / steps
+                           for name, us in sorted(per_category.items(), key=lambda item: -item[1])},
+            "ops": under}
+
+
+def table(name: str, result: dict) -> str:
+    share = "–" if result["busy_share"] is None else f"{result['busy_share']:.0%}"
+    lines = [f"{name}: per step {result['kernels_per_step']:.0f} kernels, {result['kernel_ms']:.1f} ms of kernel "
+             f"time, busy {result['busy_ms']:.1f} of a {result['span_ms']:.1f} ms span ({share})",
+             "| where | ms a step | share of kernel time |", "|---|---|---|"]
+    total = result["kernel_ms"] or 1.0
+    lines += [f"| {cat} | {ms:.1f} | {ms / total:.0%} |" for cat, ms in result["categories"].items()]
+    lines += [f"| launched inside {op}: GEMMs / the rest | {v['gemm_ms']:.1f} / {v['other_ms']:.1f} | "
+              f"{(v['gemm_ms'] + v['other_ms']) / total:.0%} |" for op, v in result["ops"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", type=Path, help="Chrome traces (.json or .json.gz)")
+    parser.add_argument("--steps", type=int, required=True, help="training steps the trace holds")
+    parser.add_argument("--op", action="append", default=[], help="CPU operator to attribute kernels to (repeatable)")
+    parser.add_argument("--json", type=Path, help="write the figures of every trace here")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    missing = [str(path) for path in args.traces if not path.is_file()]
+    if missing:
+        parser.error(f"no such trace: {', '.join(missing)}")
+    results = {str(path): breakdown(load_events(path), args.steps, tuple(args.op)) for path in args.traces}
+    print("\n\n".join(table(name, result) for name, result in results.items()))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
