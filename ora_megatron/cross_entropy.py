@@ -92,10 +92,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     A chunk's logits take six passes over [chunk × V]: their fp32 copy, then max, subtract,
     exponential and sum in place, the softmax written once in the weight's dtype; and the two matmuls
-    of the gradients. The
-    gradient w.r.t. the logits is softmax − one-hot; the tokens' weights (mask / masked count) scale
-    the [chunk × h] operands, not [chunk × V]. megatron-core's steps make some ten passes over
-    fp32 logits: on an H100 they took half of Small's kernel time (docs/results/gpu/)."""
+    of the gradients. The gradient w.r.t. the logits is softmax − one-hot; the tokens' weights
+    (mask / masked count) scale the [chunk × h] operands, not [chunk × V]. megatron-core's steps make
+    some ten passes over fp32 logits: on an H100 they took half of Small's kernel time
+    (docs/results/gpu/)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, hidden_needs_grad: bool, weight_needs_grad: bool):

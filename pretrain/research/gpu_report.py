@@ -61,7 +61,7 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -85,9 +85,9 @@ BUDGET_S = 330.0  # the default --budget-s: with start-up and the files written,
 NOT_ASKED = "not asked"  # the outcome of a section left out of --sections
 PROFILE_ARM_S = 45  # what one arm's profile is expected to need at most
 GIB = 2**30
+FUSED_LOSS_OP = "_LinearCrossEntropy"  # ora_megatron.cross_entropy's autograd function, as the profiler names it
 # What the report imports as it measures, in this process and in the commands it starts (the training entry,
 # compare_arms, the trainer they build, the profiler).
-FUSED_LOSS_OP = "_LinearCrossEntropy"  # ora_megatron.cross_entropy's autograd function, as the profiler names it
 RUN_PATH = ("deepspeed", "megatron.core", "ora_megatron.parallel", "pretrain.training.trainer",
             "pretrain.checkpoint.checkpointer", "pretrain.research.memory_model",
             "pretrain.research.benchmarks.compare_arms", "pretrain.pretrain_ora", "torch.profiler")
@@ -107,7 +107,7 @@ class Outcome:
     detail: Optional[str] = None  # what went wrong, where something did
 
 
-def train_overrides(steps: int, sets: list[str] = ()) -> list[str]:
+def train_overrides(steps: int, sets: Sequence[str] = ()) -> list[str]:
     """The preset with the report's --set overrides, trained for `steps` steps on mock data, logged every few
     steps, writing nothing but metrics.jsonl, its summary and a final checkpoint."""
     return [*sets, f"train.steps={steps}", f"train.log_interval={TRAIN_LOG_INTERVAL}", "train.eval_iters=1",

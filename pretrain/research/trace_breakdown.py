@@ -51,21 +51,17 @@ def load_events(path: Path) -> list[dict]:
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
-    busy, current = 0.0, None
+    busy, covered_to = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if current is None or start > current[1]:
-            busy += 0.0 if current is None else current[1] - current[0]
-            current = [start, end]
-        else:
-            current[1] = max(current[1], end)
-    return busy + (current[1] - current[0] if current else 0.0)
+        busy += max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
+    return busy
 
 
-def _launched_under(kernels: list[dict], events: list[dict], op: str) -> list[dict]:
-    """The kernels whose launch (matched by correlation id) happened while a CPU event named `op` ran."""
+def _launched_under(kernels: list[dict], launches: dict, events: list[dict], op: str) -> list[dict]:
+    """The kernels whose launch (`launches`: correlation id → host time) happened while a CPU event named
+    `op` ran."""
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == op and e.get("ph") == "X")
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
     starts = [start for start, _ in spans]
     inside = []
     for kernel in kernels:
@@ -81,10 +77,10 @@ def _launched_under(kernels: list[dict], events: list[dict], op: str) -> list[di
 def breakdown(events: list[dict], steps: int, ops: tuple[str, ...] = ()) -> dict:
     """Per-step figures of one trace's kernels (ms unless named otherwise); see the module's docstring."""
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    if not kernels:
-        return {"steps": steps, "kernels_per_step": 0, "span_ms": 0.0, "busy_ms": 0.0, "busy_share": None,
-                "kernel_ms": 0.0, "categories": {}, "ops": {op: {"gemm_ms": 0.0, "other_ms": 0.0} for op in ops}}
-    span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    span = (max((k["ts"] + k["dur"] for k in kernels), default=0.0)
+            - min((k["ts"] for k in kernels), default=0.0))
     busy = _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
     per_category: dict[str, float] = {}
     for kernel in kernels:
@@ -92,7 +88,7 @@ def breakdown(events: list[dict], steps: int, ops: tuple[str, ...] = ()) -> dict
         per_category[name] = per_category.get(name, 0.0) + kernel["dur"]
     under = {}
     for op in ops:
-        inside = _launched_under(kernels, events, op)
+        inside = _launched_under(kernels, launches, events, op)
         gemm = sum(k["dur"] for k in inside if category(k["name"]) == "gemm")
         under[op] = {"gemm_ms": gemm / 1e3 / steps, "other_ms": (sum(k["dur"] for k in inside) - gemm) / 1e3 / steps}
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / 1e3 / steps,
