@@ -11,7 +11,8 @@
 # side, the training loop, the profiles. Its exit status is this script's: 0 all ok, 1 something failed (the
 # report says what), 2 no CUDA device; 3 the install or the imports failed (before any GPU time is spent).
 # Logs of the install and the imports: OUT/logs/bringup-*.log. Running it again reuses the virtualenv and
-# writes the report anew.
+# writes the report anew. A copy of the repository without .git records the revision ORA_GIT_REVISION names:
+# `ORA_GIT_REVISION=<git rev-parse HEAD here> docker/gpu_bringup.sh WHEELS OUT`.
 set -euo pipefail
 
 if (($# < 2)); then

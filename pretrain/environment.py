@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import subprocess
 
 from pretrain.config import RunConfig
+from pretrain.paths import REPO
 
 # Keep the Hugging Face libraries (huggingface_hub, transformers, datasets) off the network:
 # training reads local tokenizers and datasets only, and an export is loaded from its own folder.
@@ -41,3 +43,18 @@ def megatron_core_version() -> str:
     `__version__` appends the short git hash of whatever repository holds its install folder: from a
     virtualenv inside this checkout that is this project's HEAD, not megatron-core's."""
     return importlib.metadata.version("megatron-core")
+
+
+def git_revision() -> str:
+    """HEAD of this checkout, with "-dirty" when its work tree has changes. Without git or outside a
+    checkout (the Docker image and the GPU machine's copy have no .git): ORA_GIT_REVISION, which their
+    builders set (docker/Dockerfile, docker/gpu_bringup.sh), else empty."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    try:
+        revision = git("rev-parse", "HEAD")
+        dirty = bool(revision) and bool(git("status", "--porcelain"))
+    except OSError:
+        revision, dirty = "", False
+    return revision + "-dirty" if dirty else revision or os.environ.get("ORA_GIT_REVISION", "")

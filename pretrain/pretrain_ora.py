@@ -31,7 +31,6 @@ import datetime
 import os
 import platform
 import signal
-import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +40,7 @@ from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.init_from import ImportRefused, apply_record, forget_import, plan_import, write_import
 from pretrain.checkpoint.resume_check import ResumeRefused, check_resume
 from pretrain.config import RunConfig, for_world, load_run_config, validate_for_world
-from pretrain.environment import device_environment, keep_offline, megatron_core_version
+from pretrain.environment import device_environment, git_revision, keep_offline, megatron_core_version
 from pretrain.paths import REPO
 from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
 from pretrain.supervision import Attempt, RestartPolicy, StopJob, Supervisor, become_subreaper
@@ -170,22 +169,12 @@ def restart_from(run_dir: RunDir, start: Start) -> Optional[str]:
     return plan.tag
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-
 def versions() -> dict:
     import deepspeed
     import torch
 
-    try:
-        rev, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
-    except OSError:
-        rev, dirty = "", False
-    if not rev:  # the Docker image has no .git; its build records the revision (docker/Dockerfile)
-        rev = os.environ.get("ORA_GIT_REVISION", "")
     return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "megatron_core": megatron_core_version(), "git_revision": rev, "git_dirty": dirty,
+            "megatron_core": megatron_core_version(), "git_revision": git_revision(),
             "cuda": torch.version.cuda, "hostname": platform.node()}
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pretrain.export.export_record import recorded_files
+from pretrain.paths import REPO
 from pretrain.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def main("
 PROGRESS_SECONDS = 5.0  # how often a followed stage's progress is polled and printed
 INDENT = " " * len("[1/7] ")

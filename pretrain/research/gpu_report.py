@@ -67,7 +67,7 @@ import torch
 
 from ora_megatron.config_io import ConfigError
 from pretrain.config import load_run_config
-from pretrain.environment import megatron_core_version
+from pretrain.environment import git_revision, megatron_core_version
 from pretrain.paths import REPO, preset_path
 from pretrain.research.trace_breakdown import breakdown, load_events
 
@@ -278,6 +278,8 @@ def markdown(report: dict) -> str:
         ["torch / CUDA / cuDNN", f"{env['torch']} / {env['cuda']} / {env['cudnn']}"],
         ["DeepSpeed / megatron-core", f"{env['deepspeed']} / {env['megatron_core']}"],
         ["Python / host", f"{env['python']} / {env['hostname']}"],
+        ["revision", f"`{env['git_revision']}`" if env["git_revision"]
+         else "unknown (no .git here; ORA_GIT_REVISION not set)"],
     ])
     tests = report["tests"]
     counts = tests["counts"] or {}
@@ -482,7 +484,7 @@ def environment() -> dict:
             "memory_bytes": props.total_memory, "device_count": torch.cuda.device_count(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "deepspeed": deepspeed.__version__, "megatron_core": megatron_core_version(),
-            "python": platform.python_version(), "hostname": platform.node()}
+            "python": platform.python_version(), "hostname": platform.node(), "git_revision": git_revision()}
 
 
 def measure(args: argparse.Namespace, out: Path, log: Callable[[str], None]) -> dict:

@@ -49,11 +49,10 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from pretrain.paths import PRESETS
+from pretrain.paths import PRESETS, REPO
 from pretrain.pretrain_ora import ENTRY_MODULE
 from pretrain.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[3]
 BLOCK, BATCH = 64, 12
 TOKENS_PER_ITER = BLOCK * BATCH
 EVAL_INTERVAL = 250  # config/train_shakespeare_char.py

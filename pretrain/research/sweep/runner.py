@@ -15,12 +15,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from pretrain.environment import git_revision
 from pretrain.research.sweep.spec import Run, SweepError
 from pretrain.research.sweep.state import (
     Task,
     done_since_planned,
     evaluation_state,
-    git_revision,
     log_tail,
     loss_text,
     results_of,

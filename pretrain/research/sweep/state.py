@@ -7,7 +7,6 @@ import datetime
 import json
 import math
 import shlex
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.paths import REPO
 from pretrain.research.sweep.spec import Run, SweepError
 from pretrain.run_dir import ExperimentRecord, RunDir, config_hash
 
@@ -162,18 +160,6 @@ def warn_changed_configs(runs: list[Run]) -> None:
 
 
 # ---------------------------------------------------------------------- records
-
-
-def git_revision() -> str:
-    """HEAD of this checkout, "-dirty" when the work tree has changes; empty outside git."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    try:
-        revision = git("rev-parse", "HEAD")
-        return revision + ("-dirty" if revision and git("status", "--porcelain") else "")
-    except OSError:
-        return ""
 
 
 def started_record(run: Run, revision: str) -> ExperimentRecord:

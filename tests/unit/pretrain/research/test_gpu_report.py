@@ -54,7 +54,8 @@ def measurements() -> dict:
         "overrides": ["train.micro_batch_size=32"],
         "environment": {"device": PEAK["device"], "capability": "9.0", "memory_bytes": 80 * GIB, "device_count": 1,
                         "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91000, "deepspeed": "0.19.8",
-                        "megatron_core": "0.19.2", "python": "3.12.3", "hostname": "gpu"},
+                        "megatron_core": "0.19.2", "python": "3.12.3", "hostname": "gpu",
+                        "git_revision": "e36b532"},
         "peaks": {"bf16": PEAK},
         "tests": {"outcome": outcome("failed"), "junit_xml": JUNIT},
         "bench": {"small": {"outcome": outcome(), "report": {
@@ -176,7 +177,7 @@ def test_markdown_has_a_table_per_section():
     for section in text.split("\n## ")[1:]:
         assert "|---|" in section, section.splitlines()[0]
     assert "| small | vanilla | 250.0 | 200.0–300.0 | 262,144 | 262.1 | 26.5% | 4.00 | 8.00 | 0.50 |" in text
-    assert "H100 SXM bf16 dense 989.5 TFLOP/s" in text
+    assert "H100 SXM bf16 dense 989.5 TFLOP/s" in text and "| revision | `e36b532` |" in text
     assert "| small | vanilla | 4192 | 154.7 | 53% | 58.7 | 16.1 | 79.9 | 13.2 / 27.0 |" in text
     assert "| bench | base | timed out | 12 | logs/x.log | stopped after 180 s |" in text
 
