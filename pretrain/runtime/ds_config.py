@@ -42,4 +42,8 @@ def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
         zero["overlap_comm"] = True
     if fp32_grad_accumulation(cfg, grad_accum):
         merged["data_types"] = {"grad_accum_dtype": "fp32"}
+    if cfg.deepspeed.precision == "bf16" and zero["stage"] in (1, 2):
+        # No pass over every gradient for non-finite values before each step: the step's gradient
+        # norm decides instead (ds_internals.skip_nonfinite_steps_by_norm, which build_engine installs).
+        merged["bf16"] = {**merged["bf16"], "check_grad_overflow": False}
     return merged

@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import RunConfig
 from pretrain.runtime.ds_config import deepspeed_config
-from pretrain.runtime.ds_internals import keep_fp32_clip_norm, undo_initial_zero_step
+from pretrain.runtime.ds_internals import keep_fp32_clip_norm, skip_nonfinite_steps_by_norm, undo_initial_zero_step
 from pretrain.runtime.loss import lm_loss
 from pretrain.runtime.optimizer import build_optimizer, lr_scheduler
 
@@ -168,6 +168,7 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, grad_accum),
         mpu=None if pipelined else MegatronMPU())
     undo_initial_zero_step(ds_engine)
+    skip_nonfinite_steps_by_norm(ds_engine)
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(ds_engine, ds_engine.optimizer.record_clip_norm)
     single_replica = fp32_zero0 and not pipelined and parallel_state.get_data_parallel_world_size() == 1

@@ -8,11 +8,12 @@ instead of being skipped forever; non-finite values are DeepSpeed's to skip and 
 
 The decision is taken inside the torch optimizer's `step()`: DeepSpeed calls it once it has computed
 the step's global gradient norm (before clipping) and clipped, and calls it not at all for a step it
-skips itself (non-finite gradients). Every rank decides from the same numbers (the data-parallel mean
-of the loss, all-reduced before the step, and DeepSpeed's all-reduced norm), so every rank decides
-the same. Skipping the torch step leaves weights and Adam state (its step count too) untouched; DeepSpeed
-then clears the gradients as after any step. The window is part of the checkpoint's train state, so a
-resumed run decides exactly as an uninterrupted one.
+skips itself (non-finite gradients; under ZeRO-1/2 in bf16 it calls it, and the non-finite norm skips
+the step below the guard: ds_internals.skip_nonfinite_steps_by_norm). Every rank decides from the
+same numbers (the data-parallel mean of the loss, all-reduced before the step, and DeepSpeed's
+all-reduced norm), so every rank decides the same. Skipping the torch step leaves weights and Adam
+state (its step count too) untouched; DeepSpeed then clears the gradients as after any step. The window
+is part of the checkpoint's train state, so a resumed run decides exactly as an uninterrupted one.
 """
 
 from __future__ import annotations

@@ -139,16 +139,19 @@ def test_partial_frozen_schedule_unfreezes_at_the_right_steps(trained_runs):
 
 # One process at ZeRO-0 in fp32 is the single-replica path: no gradient all-reduce, and the
 # finiteness check reads the norm DeepSpeed clipped with (pretrain/runtime/optimizer.py, SkippingAdamW).
-@pytest.mark.parametrize("zero_stage, nproc", [(0, 2), (2, 2), (0, 1)])
-def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage, nproc):
+# bf16 under ZeRO-1/2: the all-reduced norm decides on every rank (ds_internals.skip_nonfinite_steps_by_norm).
+@pytest.mark.parametrize("zero_stage, nproc, precision", [(0, 2, "fp32"), (2, 2, "fp32"), (0, 1, "fp32"),
+                                                          (1, 2, "bf16")])
+def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_stage, nproc, precision):
     import math
 
     import torch
 
     config = write_config(tmp_path)
     run_dir = tmp_path / "poisoned"
-    run(config, run_dir, [f"deepspeed.zero_stage={zero_stage}", "train.inject_nonfinite_loss_steps=[3,4]",
-                          "checkpoint.save_interval=1", "checkpoint.keep_last=10"], nproc=nproc)
+    run(config, run_dir, [f"deepspeed.zero_stage={zero_stage}", f"deepspeed.precision={precision}",
+                          "train.inject_nonfinite_loss_steps=[3,4]", "checkpoint.save_interval=1",
+                          "checkpoint.keep_last=10"], nproc=nproc)
     steps = {r.step: r for r in records(run_dir)}
     assert steps[2].skipped_steps == 0 and steps[4].skipped_steps == 2 and steps[6].skipped_steps == 2
     # Every layout reports the clipping's norm on a good step, and none on a skipped one.

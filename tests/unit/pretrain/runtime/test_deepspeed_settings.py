@@ -1,5 +1,6 @@
 """The DeepSpeed JSON a run gets (pretrain.runtime.engine.deepspeed_config): gradient reduction
-overlapped with backward on GPUs, and fp32 gradient accumulation where DeepSpeed offers it."""
+overlapped with backward on GPUs, fp32 gradient accumulation where DeepSpeed offers it, and no per-tensor
+non-finite check where the gradient norm decides."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_offers_it(zero_stage
                                                                        fp32_accumulation):
     data_types = settings(zero_stage, precision, grad_accum).get("data_types", {})
     assert (data_types.get("grad_accum_dtype") == "fp32") == fp32_accumulation
+
+
+@pytest.mark.parametrize("zero_stage, precision, per_tensor_check", [
+    (1, "bf16", False), (2, "bf16", False),  # the gradient norm decides (ds_internals.skip_nonfinite_steps_by_norm)
+    # left as DeepSpeed has it: ZeRO-3 decides from the norm anyway; ZeRO-0's unfused optimizer checks
+    # every tensor whatever the setting
+    (0, "bf16", True), (3, "bf16", True),
+])
+def test_bf16_zero1_and_2_leave_the_non_finite_check_to_the_norm(zero_stage, precision, per_tensor_check):
+    assert settings(zero_stage, precision)["bf16"].get("check_grad_overflow", True) is per_tensor_check
