@@ -24,6 +24,8 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
+from pretrain.runtime.spikes import guard_steps
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -230,16 +232,14 @@ def skip_nonfinite_steps_by_norm(ds_engine: DeepSpeedEngine) -> None:
     if not wrapper.compute_grad_norm:
         raise RuntimeError("ZeRO-1/2 without its own overflow check needs the gradient norm: "
                            "keep zero_optimization.compute_grad_norm on")
-    optimizer = base_optimizer(ds_engine)
-    step = optimizer.step
 
-    def step_if_finite(closure=None):
-        if not math.isfinite(float(wrapper._global_grad_norm)):
-            wrapper.overflow = True
-            return None
-        return step(closure)
+    def nonfinite() -> bool:
+        if math.isfinite(step_grad_norm(ds_engine)):
+            return False
+        wrapper.overflow = True
+        return True
 
-    optimizer.step = step_if_finite  # on the instance: ZeRO checks the optimizer's type
+    guard_steps(base_optimizer(ds_engine), nonfinite)
 
 
 def step_grad_norm(ds_engine: DeepSpeedEngine) -> Optional[float]:

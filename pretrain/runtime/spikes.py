@@ -108,13 +108,14 @@ class StepGuard:
         return spike
 
 
-def guard_steps(optimizer: torch.optim.Optimizer, guard: StepGuard) -> None:
-    """Make `optimizer.step()` (this instance's, which DeepSpeed calls) do nothing when `guard` says skip.
-    An instance attribute, so the class stays the one DeepSpeed knows (ZeRO checks optimizer types)."""
+def guard_steps(optimizer: torch.optim.Optimizer, skip: Callable[[], bool]) -> None:
+    """Make `optimizer.step()` (this instance's, which DeepSpeed calls) do nothing when `skip()` says so
+    (a StepGuard's, or ds_internals' non-finite norm). An instance attribute, so the class stays the one
+    DeepSpeed knows (ZeRO checks optimizer types); guards stack, the last one added deciding first."""
     step = optimizer.step
 
     def guarded_step(closure=None):
-        if guard.skip():
+        if skip():
             return None
         return step(closure)
 

@@ -132,7 +132,7 @@ class Trainer:
     def _guard_engine(self) -> None:
         """The step guard vetoes the torch optimizer's steps (also of an engine rebuilt by a freeze stage)."""
         if self.guard is not None:
-            guard_steps(base_optimizer(self.train_engine.ds_engine), self.guard)
+            guard_steps(base_optimizer(self.train_engine.ds_engine), self.guard.skip)
 
     def _step_grad_norm(self) -> Optional[float]:
         norm = step_grad_norm(self.train_engine.ds_engine)
