@@ -39,15 +39,18 @@ def tokenizer_path(cfg: RunConfig) -> Optional[str]:
 
 def build_tokenizer(cfg: RunConfig):
     """megatron-core's tokenizer: sentencepiece when a model is given, else its null tokenizer
-    (mock data), sized so that ids stay below model.vocab_size."""
+    (mock data) of model.vocab_size ids, the last one the end of document."""
     path = tokenizer_path(cfg)
     if path is None:
-        # megatron-core renamed its null tokenizer library "null" -> "null-text" (0.17+).
+        # megatron-core 0.17+ renamed its null tokenizer library "null" -> "null-text", and its vocab_size
+        # now counts the end-of-document id (the last one) where the old one's added it.
         from megatron.core.tokenizers.text.text_tokenizer import TOKENIZER_MAPPING_LIBRARIES
 
-        library = "null-text" if "null-text" in TOKENIZER_MAPPING_LIBRARIES else "null"
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": library},
-                                                 vocab_size=cfg.model.vocab_size - 1)
+        if "null-text" in TOKENIZER_MAPPING_LIBRARIES:
+            library, vocab_size = "null-text", cfg.model.vocab_size
+        else:
+            library, vocab_size = "null", cfg.model.vocab_size - 1
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size)
     return MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={"library": "sentencepiece"})
 
 

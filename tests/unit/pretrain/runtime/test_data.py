@@ -120,8 +120,8 @@ def tokenizer(mock_run):
 
 @pytest.mark.slow
 def test_mock_datasets_are_sized_for_the_run(mock_run, tokenizer, small_mock_corpus, tmp_path, monkeypatch):
-    """Train: steps × global batch samples; valid and test: eval_iters global batches. Token ids stay
-    below model.vocab_size."""
+    """Train: steps × global batch samples; valid and test: eval_iters global batches. The null tokenizer
+    has model.vocab_size ids, the last one the end of document, and token ids stay below it."""
     requested = []
     builder = data.BlendedMegatronDatasetBuilder
     monkeypatch.setattr(data, "BlendedMegatronDatasetBuilder",
@@ -134,7 +134,7 @@ def test_mock_datasets_are_sized_for_the_run(mock_run, tokenizer, small_mock_cor
         assert isinstance(datasets[split], MockGPTDataset) and len(datasets[split]) >= size
         sample = datasets[split][size - 1]
         assert sample["tokens"].shape == (SEQ,) and torch.equal(sample["tokens"][1:], sample["labels"][:-1])
-    assert tokenizer.vocab_size <= VOCAB
+    assert tokenizer.vocab_size == VOCAB and tokenizer.eod == VOCAB - 1
     assert max(int(datasets["train"][i]["tokens"].max()) for i in range(len(datasets["train"]))) < VOCAB
 
 
