@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
-from pretrain_runs import LAYOUTS
+from pretrain_runs import LAYOUT_WEIGHT_ATOL, LAYOUTS
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ParallelConfig
@@ -28,12 +28,6 @@ from pretrain.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
 
-# After 6 AdamW steps at lr <= 1e-3 the layouts differ from one process only by summation order
-# (DP gradient reduction, TP-split matmuls and vocab-parallel cross entropy), which Adam's
-# normalised update turns into weight differences of at most a few 1e-6 (measured: DP 6e-8,
-# PP 1.5e-7, TP 3.8e-6). A wrong shard order, a stale checkpoint or a bf16 copy would differ by
-# the size of an update (~1e-3) or of a weight (~2e-2).
-FP32_ATOL = 1e-5
 # bf16 forward/backward against the fp32 run: at most a few updates of 1e-3 apart (measured 2.4e-3).
 BF16_ATOL = 5e-3
 
@@ -123,7 +117,7 @@ def max_abs_diff(state, other) -> float:
 def test_layout_consolidates_to_the_single_process_weights(consolidated, reference_state, tp1_model, layout):
     result = consolidated(layout)
     assert_tp1_keys_and_fp32(result.state_dict, tp1_model)
-    assert max_abs_diff(result.state_dict, reference_state) <= FP32_ATOL
+    assert max_abs_diff(result.state_dict, reference_state) <= LAYOUT_WEIGHT_ATOL
     uses_masters = "zero0" not in layout and "pp2" not in layout
     assert result.source == (FP32_MASTER if uses_masters else MODULE)
 

@@ -10,8 +10,8 @@ import pytest
 import sentencepiece
 import torch
 from manifest_runs import manifest_run
+from pretrain_runs import LAYOUT_WEIGHT_ATOL, REPO, write_config
 from pretrain_runs import LAYOUTS as RUN_LAYOUTS
-from pretrain_runs import REPO, write_config
 from safetensors.torch import load_file
 
 from ora_megatron.families import gpt2_hf, llama_hf
@@ -34,9 +34,6 @@ LAYOUTS = {
 # The llama family's own mapping (GQA, gated MLP, RoPE) meets the layouts where tensor parallelism
 # splits it; pipeline stages, ZeRO partitions and bf16 are read the same for both families.
 CASES = [("gpt2", layout) for layout in LAYOUTS] + [("llama", "tp1"), ("llama", "tp2")]
-# The layouts' weights differ from one process only by summation order (measured in
-# test_consolidate.py: at most a few 1e-6 after 6 steps).
-LAYOUT_ATOL = 1e-5
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "  two  spaces\tand a tab\n",
          "Déjà vu, naïve café", "東京と大阪", "emoji 🚀👩‍💻", ""]
 
@@ -80,7 +77,7 @@ def test_exported_weights_do_not_depend_on_the_layout(exports, case):
     other = load_file(exports[case][0] / "model.safetensors")
     assert single.keys() == other.keys()
     for name, tensor in single.items():
-        assert (tensor - other[name]).abs().max() <= LAYOUT_ATOL, name
+        assert (tensor - other[name]).abs().max() <= LAYOUT_WEIGHT_ATOL, name
 
 
 @pytest.mark.parametrize("family, wrong", [
