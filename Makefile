@@ -1,6 +1,8 @@
 # The two README commands: `make demo` (set up + main job on the embedded default) and `make test`.
 # .ci/run installs through the `install` target. docker/Dockerfile installs the same pins, read from
 # pyproject.toml, into NVIDIA's PyTorch image but keeps that image's CUDA torch instead of torch==<pin>.
+# PYTHON and VENV pick the interpreter and its environment: `make test PYTHON=python3.12 VENV=runs/venv-py312`
+# runs the suite under Python 3.12 (megatron-core 0.19) beside the default .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
