@@ -61,8 +61,12 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(scope="session")
-def trained_runs(tmp_path_factory) -> RunCache:
-    return RunCache(tmp_path_factory.mktemp("trained_runs"))
+def trained_runs(tmp_path_factory, worker_id) -> RunCache:
+    """The session's trainings. Under pytest-xdist in this session's folder above the workers' own, so
+    that a run one worker trained is read by the others."""
+    if worker_id == "master":
+        return RunCache(tmp_path_factory.mktemp("trained_runs"))
+    return RunCache(tmp_path_factory.getbasetemp().parent / "trained_runs")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -128,20 +129,25 @@ class RunCache:
 
     `trained(...)` returns the finished run dir, which tests only read; a test that changes a run,
     resumes it or trains it further takes `copy(...)`, its own copy. Tests that ask for the same
-    training share one run, wherever they are in the suite."""
+    training share one run, wherever they are in the suite: with pytest-xdist, `root` is a folder every
+    worker sees, and the first worker to ask trains the run under a lock while the others wait for it
+    (a training takes both cores: with a cache per worker, 8 of the suite's 26 trainings ran twice)."""
 
     def __init__(self, root: Path):
         self.root = root
-        self._runs: dict[tuple, Path] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
 
     def trained(self, overrides=(), nproc: int = 1, config: str = TINY_RUN) -> Path:
-        key = (config, tuple(overrides), nproc)
-        if key not in self._runs:
-            folder = self.root / hashlib.sha256(repr(key).encode()).hexdigest()[:12]
-            folder.mkdir(parents=True)
-            run(write_config(folder, config), folder / "run", overrides, nproc)
-            self._runs[key] = folder / "run"
-        return self._runs[key]
+        name = hashlib.sha256(repr((config, tuple(overrides), nproc)).encode()).hexdigest()[:12]
+        folder, finished = self.root / name, self.root / f"{name}.finished"
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not finished.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a worker's failed training left
+                folder.mkdir()
+                run(write_config(folder, config), folder / "run", overrides, nproc)
+                finished.touch()
+        return folder / "run"
 
     def copy(self, dest: Path, overrides=(), nproc: int = 1, config: str = TINY_RUN) -> Path:
         """A copy of the trained run at `dest`, and its config beside it (`dest.parent / "run.yaml"`)."""
