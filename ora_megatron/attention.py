@@ -2,6 +2,8 @@
 
 - `SDPACoreAttention`: causal softmax(QKᵀ/√d_k)V with torch SDPA (flash / memory-efficient kernels
   on GPU, plain math on CPU), GQA included. Replaces megatron's DotProductAttention, which needs CUDA.
+  With document masking (`DocumentMask`) on a GPU without attention dropout, compiled FlexAttention with
+  a block mask of the documents: a fused kernel that skips the blocks no query may see.
 - `RandomQKVLinear`: the `linear_qkv` replacement for ora / frozen_gaussian / frozen_uniform. Q and K
   are random (orthogonal, Gaussian or uniform), a pure function of (seed, layer, role), frozen unless
   the A2 flags train them; V is an ordinary trainable projection. One fused GEMM forward (same cost
@@ -9,7 +11,8 @@
   but weight gradients only for trainable parts, so frozen Q/K cost no weight-gradient GEMM.
   Frozen Hadamard Q/K (ora, orthogonal_method=hadamard) skip their GEMMs altogether: they are
   applied as two small Kronecker contractions (hadamard.HadamardRows), forward and input
-  gradient, and written straight into megatron's interleaved layout beside V's GEMM.
+  gradient, and written straight into megatron's interleaved layout beside V's GEMM; a compiled layer
+  (train.compile) traces the same transforms as plain ops instead, their path settled before it runs.
 - `RandomQKSelfAttention`: megatron's SelfAttention, telling its linear_qkv which layer it is in.
 - `SynthesizerAttention`: softmax(R)·V with R per head (N×N, or R1·R2ᵀ of rank k), causal; covers
   synthesizer_random (trainable or fixed R), synthesizer_factorized and fixed_random_attention.
@@ -20,8 +23,9 @@ tensor-parallel rank's heads, so every TP size sees the same model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from ora_megatron.hadamard import HadamardRows
 from ora_megatron.model_config import FROZEN_QK_INIT, AttentionConfig
@@ -53,8 +58,57 @@ def _mark_head_sharded(*params) -> None:
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
+@dataclass
+class DocumentMask:
+    """Document masking of packed samples (data.reset_attention_mask): token t of sample b attends to the
+    tokens up to t of its own document.
+
+    Built once per forward from the document ids [b, s] a batch carries, in the forms the layers use, and
+    handed to every layer as its attention mask: `visible` ([b, 1, s, s], `visible_within_documents`) for
+    SDPA and the synthesizers, `block_mask` for FlexAttention (`SDPACoreAttention.fuses_documents`).
+    """
+
+    visible: Optional[torch.Tensor] = None
+    block_mask: Optional[BlockMask] = None
+
+
+def visible_within_documents(ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] from document ids [b, s], True where a query may attend (SDPA's convention): earlier
+    tokens of its own document. Its negation is the mask megatron-core's GPTDataset makes with
+    reset_attention_mask."""
+    s = ids.size(1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+    return (ids[:, None, :, None] == ids[:, None, None, :]) & causal
+
+
+def document_block_mask(ids: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask of `DocumentMask`: causal within each document, the same for every head
+    (H=None broadcasts, so any tensor-parallel rank's share of the heads takes it)."""
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (ids[b, q] == ids[b, kv])
+
+    batch, s = ids.shape
+    return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=s, KV_LEN=s, device=ids.device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def flex_document_attention(q, k, v, block_mask: BlockMask, scale: Optional[float], enable_gqa: bool):
+    """softmax(QKᵀ·scale + block mask)V, [b, heads, s, d]. On CUDA FlexAttention is fused only compiled:
+    compiled here, or traced into the compiled layer (train.compile). Elsewhere it runs unfused (eager,
+    forward only on CPU)."""
+    fused = q.is_cuda and not torch.compiler.is_compiling()
+    attend = _compiled_flex_attention() if fused else flex_attention
+    return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
 class SDPACoreAttention(MegatronModule):
-    """Core attention on torch's scaled_dot_product_attention, always causal."""
+    """Core attention on torch's scaled_dot_product_attention: causal, or causal within documents
+    (a `DocumentMask`): FlexAttention where it can run fused, else SDPA with the dense mask."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None,
                  attention_type: str = "self", softmax_scale=None, cp_comm_type=None,
@@ -63,18 +117,25 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+    def fuses_documents(self, device: torch.device) -> bool:
+        """Whether document masking runs on FlexAttention: on CUDA (on CPU FlexAttention has no backward,
+        and SDPA's CPU kernel takes the dense mask), and without attention dropout, which FlexAttention
+        does not have (SDPA's memory-efficient kernel takes the dense mask then)."""
+        return device.type == "cuda" and (self.dropout_p == 0.0 or not self.training)
+
+    def forward(self, query, key, value, attention_mask: Optional[DocumentMask] = None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **_newer_megatron_kwargs):
         # megatron layout [s, b, heads, d] -> SDPA layout [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        # Without a mask: causal. With one (document masking): megatron's [b, 1, s, s], True where a
-        # query may not attend, causal included; SDPA takes True where it may.
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=attention_mask is None, scale=self.softmax_scale,
-            attn_mask=None if attention_mask is None else ~attention_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            enable_gqa=q.size(1) != k.size(1),
-        )
+        gqa = q.size(1) != k.size(1)
+        if attention_mask is not None and attention_mask.block_mask is not None and self.fuses_documents(q.device):
+            out = flex_document_attention(q, k, v, attention_mask.block_mask, self.softmax_scale, gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=attention_mask is None, scale=self.softmax_scale,
+                attn_mask=None if attention_mask is None else attention_mask.visible,
+                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=gqa,
+            )
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -276,12 +337,22 @@ class RandomQKVLinear(torch.nn.Module):
 
     def forward(self, x):
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-        if self._hadamard_applies():
+        if not self._hadamard_applies():
+            out = _FusedQKV.apply(x, self.q_weight, self.k_weight, self.v_weight, self.v_bias, self.groups)
+        elif torch.compiler.is_compiling():
+            out = self._traced_hadamard_qkv(x)
+        else:
             out = _HadamardQKV.apply(x, self.v_weight, self.v_bias, self.hadamard, self.qk_block,
                                      self.qk_offset, self.row_index, self.row_mask)
-        else:
-            out = _FusedQKV.apply(x, self.q_weight, self.k_weight, self.v_weight, self.v_bias, self.groups)
         return out, None
+
+    def _traced_hadamard_qkv(self, x):
+        """_HadamardQKV's output as plain differentiable ops, for a compiled layer (train.compile): its
+        hand-written kernels write into strided `out=` views, which dynamo cannot trace."""
+        x2d = x.reshape(-1, x.size(-1))
+        qk = self.hadamard.differentiable_columns(x2d, self.qk_block, self.qk_offset)  # [t, groups, q + k rows]
+        v = F.linear(x2d, self.v_weight, self.v_bias).view(x2d.size(0), self.groups, -1)
+        return torch.cat([qk, v], dim=2).view(*x.shape[:-1], -1)
 
     def _hadamard_applies(self) -> bool:
         """Whether Q and K are frozen Hadamard weights that the fast transforms reproduce.
@@ -301,6 +372,25 @@ class RandomQKVLinear(torch.nn.Module):
                 for role, w in (("q", self.q_weight), ("k", self.k_weight)))
             self._hadamard_weights_checked = True
         return self._hadamard_weights_match
+
+
+def settle_hadamard_paths_eagerly(model: torch.nn.Module) -> None:
+    """Before each forward of `model`, decide outside any compiled region which frozen Hadamard Q/K take
+    the fast transforms (`RandomQKVLinear._hadamard_applies`).
+
+    The decision compares the weights with a seeded redraw once per frozen spell: values and a hash,
+    which a compiled layer (train.compile) cannot trace. Settled here, the layer reads only the Python
+    flags it left, which dynamo guards on (a freeze schedule's change recompiles, it does not break).
+    """
+    linears = [m for m in model.modules() if isinstance(m, RandomQKVLinear) and m.hadamard is not None]
+    if not linears:
+        return
+
+    def settle(module, args):
+        for linear in linears:
+            linear._hadamard_applies()
+
+    model.register_forward_pre_hook(settle)
 
 
 def use_imported_qk(module: torch.nn.Module, tensors: dict[tuple[int, str], torch.Tensor]) -> int:
@@ -383,17 +473,18 @@ class SynthesizerAttention(MegatronModule):
             return self.r1[:, :s].matmul(self.r2[:, :s].transpose(1, 2))
         return self.r[:, :s, :s]
 
-    def forward(self, hidden_states, attention_mask=None, **_unused):
+    def forward(self, hidden_states, attention_mask: Optional[DocumentMask] = None, **_unused):
         s, b = hidden_states.shape[:2]
         value, _ = self.linear_v(hidden_states)  # [s, b, heads·d]
         value = value.view(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, h, s, d]
-        # megatron's [b, 1, s, s] mask (True: masked; causal and document masking), else causal alone.
+        # Causal alone, or with document masking the dense [b, 1, s, s] mask: R is a dense [h, s, s] matrix
+        # already, there is no kernel to keep it off.
         if attention_mask is None:
             causal = torch.ones(s, s, dtype=torch.bool, device=value.device).triu(1)
             logits = self.mixing_logits(s).masked_fill(causal, float("-inf"))  # [h, s, s]
         else:
             mixing = self.mixing_logits(s)
-            logits = torch.where(attention_mask, mixing.new_tensor(float("-inf")), mixing)  # [b, h, s, s]
+            logits = torch.where(attention_mask.visible, mixing, mixing.new_tensor(float("-inf")))  # [b, h, s, s]
         probs = self.dropout(torch.softmax(logits.float(), dim=-1).to(value.dtype))
         context = (probs if probs.dim() == 4 else probs.unsqueeze(0)).matmul(value)  # [b, h, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)

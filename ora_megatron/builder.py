@@ -41,6 +41,19 @@ def padded_vocab_size(model: ModelConfig) -> int:
     return -(-model.vocab_size // multiple) * multiple
 
 
+def whole_layer_cuda_graph_scope() -> dict:
+    """The CUDA-graph scope setting as megatron-core's default means it, without its warning.
+
+    megatron-core's default scope "full" (cuda_graph_scope in 0.16, cuda_graph_modules from 0.19) warns its
+    own deprecation on every config built; the empty scope it maps "full" to is the same setting, unused
+    here anyway (no CUDA graph is captured). Chosen by which field has that default, not by version."""
+    for name in ("cuda_graph_modules", "cuda_graph_scope"):
+        field = TransformerConfig.__dataclass_fields__.get(name)
+        if field is not None and field.default == "full":
+            return {name: []}
+    return {}
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
                        params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
     family = family_of(model)
@@ -79,6 +92,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **whole_layer_cuda_graph_scope(),
     )
 
 

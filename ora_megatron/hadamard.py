@@ -119,7 +119,8 @@ class HadamardRows(torch.nn.Module):
     batch: fine on one thread, many times slower with several under load.) Callers pick the
     columns they need with `take`; `rows_transposed` is the adjoint, the input gradient, from a
     token-major gradient. `columns` and `columns_transposed` run them a chunk of tokens at a time
-    (`chunk_tokens`). None records autograd: callers wrap them in an autograd.Function.
+    (`chunk_tokens`). None records autograd: callers wrap them in an autograd.Function
+    (`differentiable_columns` is the traceable form a compiled graph uses instead).
     The ±1 factors are exact in every dtype (bf16/fp16 casts of the module change nothing); the
     arithmetic runs in fp32 or wider, as a GEMM would accumulate.
     """
@@ -208,6 +209,12 @@ class HadamardRows(torch.nn.Module):
         for chunk in self._chunks(x):
             self.take(self.rows(x[chunk]).to(out.dtype), block, offset, out=out[chunk])
         return out
+
+    def differentiable_columns(self, x: torch.Tensor, block: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """`columns` as plain differentiable ops, [T, *n] in x's dtype, for a compiled graph (train.compile):
+        `columns` writes into strided `out=` views and its callers regather the gradient by hand, which
+        dynamo cannot trace; here autograd derives the same adjoint and the compiler fuses the gather."""
+        return self.rows(x)[block, :, offset].movedim(-1, 0).to(x.dtype)
 
     def columns_transposed(self, grad: torch.Tensor, index: torch.Tensor, mask: Optional[torch.Tensor],
                            out: torch.Tensor) -> torch.Tensor:

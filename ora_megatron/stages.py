@@ -26,15 +26,35 @@ from typing import Callable, Optional
 import torch
 import torch.utils.checkpoint
 from megatron.core import parallel_state
+from megatron.core import utils as megatron_utils
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import build_module
 
+from ora_megatron.attention import DocumentMask, SDPACoreAttention, document_block_mask, visible_within_documents
 from ora_megatron.builder import HostRotaryEmbedding, layer_spec, padded_vocab_size, transformer_config
 from ora_megatron.cross_entropy import linear_cross_entropy, lm_loss
 from ora_megatron.families import family_of
 from ora_megatron.linear import ColumnLinear
 from ora_megatron.model_config import ModelConfig, ParallelConfig
+
+
+@torch.compiler.substitute_in_graph(megatron_utils.make_viewless_tensor)
+def _traceable_make_viewless_tensor(inp, requires_grad, keep_graph):
+    """megatron-core's `make_viewless_tensor` as a compiled layer (train.compile) traces it.
+
+    TransformerLayer passes its output through it so that the output is no view (megatron's own
+    checkpointing and pipeline free activations through `.data`). The original moves `.data` into a
+    new tensor, which dynamo cannot trace: the graph broke at the end of every layer whose output
+    is a view (a biased layer's in-place bias-dropout-add under no_grad). A copy holds the same
+    values without a `_base`, on the same autograd graph. Only a new leaf (keep_graph False with
+    requires_grad) has no traceable form, and breaks as the original does. Eager runs the original.
+    """
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return inp.clone()
+    return inp.detach().clone().requires_grad_(requires_grad)
 
 
 def seed_stage(seed: int, name: str) -> None:
@@ -78,14 +98,15 @@ class DecoderLayerStage(torch.nn.Module):
             self.rotary = HostRotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
                                               rotary_base=model.rotary_base, use_cpu_initialization=True)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+    def forward(self, hidden: torch.Tensor, documents: Optional[DocumentMask] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`attention_mask` [b, 1, s, s], True where a query may not attend (causal and document masking
-        in one); `position_ids` [b, s] rotate RoPE by each token's own position. None: causal, 0..s-1."""
+        """`documents`: each token attends within its own document (megatron's attention_mask argument
+        carries it to the core attention); `position_ids` [b, s] rotate RoPE by each token's own
+        position. None: causal, 0..s-1."""
         rotary = self.rotary(hidden.size(0)) if self.rotary is not None else None
         if rotary is not None and position_ids is not None:  # [s, 1, 1, d] by position → [s, b, 1, d]
             rotary = rotary[:, 0, 0][position_ids].transpose(0, 1).unsqueeze(2)
-        return self.layer(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)[0]
+        return self.layer(hidden, attention_mask=documents, rotary_pos_emb=rotary)[0]
 
 
 class FinalNormStage(torch.nn.Module):
@@ -185,12 +206,21 @@ class StagedGPT(torch.nn.Module):
             self.order.append((owner, spec.forward_fn))
         self.activation_checkpointing = False
         self.fused_loss = linear_cross_entropy  # or its torch.compile'd self (train.compile)
+        self.core_attentions = [m for m in self.modules() if isinstance(m, SDPACoreAttention)]
+
+    def document_mask(self, document_ids: torch.Tensor) -> DocumentMask:
+        """The layers' DocumentMask, each form built once for all of them: FlexAttention's block mask where
+        their attention runs fused, the dense mask where one does not (or the layers mix no Q·K)."""
+        fused = [attention.fuses_documents(document_ids.device) for attention in self.core_attentions]
+        return DocumentMask(visible=None if fused and all(fused) else visible_within_documents(document_ids),
+                            block_mask=document_block_mask(document_ids) if any(fused) else None)
 
     def forward(self, tokens: torch.Tensor, labels_and_mask=None, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`position_ids` [b, s] and `attention_mask` [b, 1, s, s] (True: masked): document masking, as
-        megatron-core's GPTDataset makes them (reset_position_ids, reset_attention_mask); None: causal
-        attention over positions 0..s-1."""
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`position_ids` [b, s] and `document_ids` [b, s] (`DocumentMask`): document masking, positions as
+        megatron-core's GPTDataset makes them (reset_position_ids) and attention within each document
+        (reset_attention_mask); None: causal attention over positions 0..s-1."""
+        documents = None if document_ids is None else self.document_mask(document_ids)
         x = tokens
         *body, (head_name, head_fn) = self.order
         for name, forward_fn in body:
@@ -200,9 +230,9 @@ class StagedGPT(torch.nn.Module):
             elif isinstance(module, EmbeddingStage):
                 x = module(x, position_ids)
             elif self.activation_checkpointing and isinstance(module, DecoderLayerStage):
-                x = torch.utils.checkpoint.checkpoint(module, x, attention_mask, position_ids, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(module, x, documents, position_ids, use_reentrant=False)
             elif isinstance(module, DecoderLayerStage):
-                x = module(x, attention_mask, position_ids)
+                x = module(x, documents, position_ids)
             else:
                 x = module(x)
         head = getattr(self, head_name)

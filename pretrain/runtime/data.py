@@ -75,12 +75,14 @@ def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConf
         blend_per_split = [_blend(data.train_blend), _blend(data.valid_blend), _blend(data.test_blend)]
     else:
         split = data.split
+    # Document masking travels as document ids, read off megatron-core's reset positions (`document_ids`):
+    # its dense [s, s] mask per sample is never made.
     return GPTDatasetConfig(
         random_seed=data.seed, sequence_length=cfg.model.seq_length, blend=blend,
         blend_per_split=blend_per_split, split=split, tokenizer=tokenizer,
-        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
-        eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask,
-        path_to_cache=str(cache_dir))
+        reset_position_ids=data.reset_position_ids or data.reset_attention_mask,
+        reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=False, path_to_cache=str(cache_dir))
 
 
 def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple[str, list]]:
@@ -246,15 +248,27 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask")
 
 
 def document_keys(cfg: RunConfig) -> tuple[str, ...]:
-    """What a batch carries besides BATCH_KEYS: megatron's per-sample positions and attention mask
-    ([1, s, s], True where masked) under document masking (data.reset_position_ids / reset_attention_mask)."""
+    """What a batch carries besides BATCH_KEYS under document masking: megatron's per-sample positions
+    (data.reset_position_ids) and each token's document (data.reset_attention_mask, `document_ids`)."""
     return (("position_ids",) if cfg.data.reset_position_ids else ()) + (
-        ("attention_mask",) if cfg.data.reset_attention_mask else ())
+        ("document_ids",) if cfg.data.reset_attention_mask else ())
+
+
+def document_ids(sample: dict) -> torch.Tensor:
+    """[s]: which document of the sample each token is in, 0, 1, ...: a new one starts where megatron-core's
+    reset positions restart at 0 (after each end-of-document token), so a token attends exactly where
+    megatron's reset_attention_mask lets it."""
+    return (torch.as_tensor(sample["position_ids"]) == 0).cumsum(0) - 1
+
+
+def sample_value(sample: dict, key: str):
+    """A sample's entry of batch key `key`: megatron-core's, or its `document_ids`."""
+    return document_ids(sample) if key == "document_ids" else sample[key]
 
 
 def collate(dataset, indices, pin_memory: bool = False, extra_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     samples = [dataset[i % len(dataset)] for i in indices]
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in BATCH_KEYS + extra_keys}
+    batch = {k: torch.stack([torch.as_tensor(sample_value(s, k)) for s in samples]) for k in BATCH_KEYS + extra_keys}
     # Page-locked, the copy to the device runs asynchronously (`non_blocking=True`).
     return {k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch
 

@@ -8,7 +8,7 @@ is pretrain.runtime.loss, the optimizer and LR schedule pretrain.runtime.optimiz
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import deepspeed
 import torch
@@ -17,6 +17,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from ora_megatron.attention import settle_hadamard_paths_eagerly
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import RunConfig
 from pretrain.runtime.ds_config import deepspeed_config
@@ -133,16 +134,22 @@ class TrainEngine:
                     param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
 
 
-def compile_model(model: torch.nn.Module) -> None:
+def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor") -> None:
     """torch.compile each transformer layer, in place: its parameters keep their names (no
-    `_orig_mod.`), so checkpoints and exports are those of the eager model; and the loss."""
+    `_orig_mod.`), so checkpoints and exports are those of the eager model; and the loss.
+
+    Each layer is one graph, without a break (ora_megatron.stages substitutes megatron-core's
+    make_viewless_tensor; frozen Hadamard Q/K are traced as plain ops, their path settled eagerly),
+    so its norms, activation and bias-dropout-adds fuse. `backend`: torch.compile's (a cheaper one
+    counts the graphs dynamo makes, which do not depend on it)."""
+    settle_hadamard_paths_eagerly(model)
     for module in model.modules():
         if isinstance(module, DecoderLayerStage):
-            module.compile()
+            module.compile(backend=backend)
     if isinstance(model, PipelineModule):
-        model.loss_fn = torch.compile(model.loss_fn)
+        model.loss_fn = torch.compile(model.loss_fn, backend=backend)
     else:
-        model.fused_loss = torch.compile(model.fused_loss)
+        model.fused_loss = torch.compile(model.fused_loss, backend=backend)
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:

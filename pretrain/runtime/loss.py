@@ -23,7 +23,7 @@ def batch_loss(ds_engine: DeepSpeedEngine, batch: dict) -> torch.Tensor:
     tokens, labels, loss_mask = (batch[k].to(ds_engine.device, non_blocking=True)
                                  for k in ("tokens", "labels", "loss_mask"))
     documents = {k: batch[k].to(ds_engine.device, non_blocking=True)  # document masking (data.reset_*)
-                 for k in ("position_ids", "attention_mask") if k in batch}
+                 for k in ("position_ids", "document_ids") if k in batch}
     return ds_engine(tokens, (labels, loss_mask), **documents)
 
 

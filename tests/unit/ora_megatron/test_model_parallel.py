@@ -1,4 +1,5 @@
-"""Every attention variant gives the same logits and gradients with tensor-parallel size 1 and 2."""
+"""Every attention variant gives the same logits and gradients with tensor-parallel size 1 and 2, with
+document masking too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ from megatron.core import parallel_state
 from model_fixtures import all_cases, build, tokens
 
 pytestmark = pytest.mark.distributed
+# Document masking under tensor parallelism: every rank takes the same documents for its share of the heads.
+DOCUMENT_CASES = [("gpt2", "vanilla"), ("llama", "ora_hadamard"), ("gpt2", "synthesizer_factorized")]
+CASES = [(*case, None) for case in all_cases()] + [(*case, "documents") for case in DOCUMENT_CASES]
+
+
+def two_documents() -> torch.Tensor:
+    ids = torch.zeros_like(tokens())
+    ids[0, 6:] = 1
+    return ids
 
 
 def _gather(shard: torch.Tensor, dim: int) -> torch.Tensor:
@@ -23,9 +33,9 @@ def _gather(shard: torch.Tensor, dim: int) -> torch.Tensor:
 def forward_backward_all_variants(rank: int, tensor: int) -> dict:
     """Logits and the word-embedding gradient (which sees the whole backward pass) per variant."""
     results = {}
-    for family, variant in all_cases():
+    for family, variant, documents in CASES:
         model = build(variant, family, tensor=tensor)
-        logits = model(tokens())  # [b, s, V/tp]
+        logits = model(tokens(), document_ids=two_documents() if documents else None)  # [b, s, V/tp]
         # The loss is a fixed random projection of the full logits; each rank backpropagates its
         # vocab slice, and megatron's TP backward all-reduces the hidden-state gradient.
         vocab_shard = logits.size(-1)
@@ -34,7 +44,7 @@ def forward_backward_all_variants(rank: int, tensor: int) -> dict:
         weights = weights[..., rank % tensor * vocab_shard:(rank % tensor + 1) * vocab_shard]
         ((logits * weights).sum() / logits[..., 0].numel()).backward()  # per-token mean
         grad = _gather(model.embedding.word_embeddings.weight.grad, dim=0)
-        results[(family, variant)] = (_gather(logits.detach(), dim=-1), grad)
+        results[(family, variant, documents)] = (_gather(logits.detach(), dim=-1), grad)
     return results
 
 
@@ -45,7 +55,7 @@ def tp1_and_tp2():
     return tp1, tp2
 
 
-@pytest.mark.parametrize("case", all_cases(), ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(filter(None, c)))
 def test_tensor_parallel_2_matches_1(tp1_and_tp2, case):
     tp1, tp2 = tp1_and_tp2
     logits1, grad1 = tp1[case]

@@ -402,12 +402,9 @@ def test_hadamard_qkv_tensor_parallel_slices_match_dense(tp, groups):
         assert (linear.row_mask is None) == (tp == 1 and groups == 8)
 
 
-
-@pytest.mark.parametrize("tp,groups", [(1, 8), (2, 4)])  # (2, 4): some positions masked
-def test_hadamard_token_chunks_change_nothing(tp, groups):
-    """On CPU the transforms run a chunk of tokens at a time (the last chunk shorter): forward and
-    input gradient equal the one-chunk results, in the fused Q/K/V path and the general transform."""
-    from ora_megatron.attention import RandomQKVLinear, _HadamardQKV
+def _hadamard_qkv_linear(tp: int, groups: int):
+    """Layer 3's frozen Hadamard Q/K with V, d 64, 8 heads in `groups` query groups, on TP rank tp - 1 of tp."""
+    from ora_megatron.attention import RandomQKVLinear
     from ora_megatron.builder import transformer_config
     from ora_megatron.model_config import AttentionConfig, ModelConfig, ParallelConfig
 
@@ -417,6 +414,40 @@ def test_hadamard_token_chunks_change_nothing(tp, groups):
     linear = RandomQKVLinear(64, 0, config=config, init_method=config.init_method, bias=True,
                              attention=model.attention, seed=5, tp_group=_FakeTensorParallelGroup(tp - 1, tp))
     linear.generate_qk(3)
+    return linear
+
+
+@pytest.mark.parametrize("tp,groups", [(1, 8), (2, 4)])
+def test_traced_hadamard_qkv_is_the_fused_kernel(tp, groups):
+    """The plain-ops form a compiled layer traces (train.compile) gives the hand-written kernel's output,
+    input gradient and V weight and bias gradients, with GQA and on a TP rank."""
+    from ora_megatron.attention import _HadamardQKV
+
+    linear = _hadamard_qkv_linear(tp, groups)
+    x = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(0))
+    grad_out = None
+    results = []
+    for traced in (True, False):
+        linear.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = linear._traced_hadamard_qkv(xi) if traced else _HadamardQKV.apply(
+            xi, linear.v_weight, linear.v_bias, linear.hadamard, linear.qk_block, linear.qk_offset,
+            linear.row_index, linear.row_mask)
+        grad_out = torch.randn_like(out) if grad_out is None else grad_out
+        out.backward(grad_out)
+        results.append((out, xi.grad, linear.v_weight.grad, linear.v_bias.grad))
+    for traced, kernel in zip(*results):
+        torch.testing.assert_close(traced, kernel, rtol=0, atol=1e-5)
+    assert results[0][1].abs().max() > 0
+
+
+@pytest.mark.parametrize("tp,groups", [(1, 8), (2, 4)])  # (2, 4): some positions masked
+def test_hadamard_token_chunks_change_nothing(tp, groups):
+    """On CPU the transforms run a chunk of tokens at a time (the last chunk shorter): forward and
+    input gradient equal the one-chunk results, in the fused Q/K/V path and the general transform."""
+    from ora_megatron.attention import _HadamardQKV
+
+    linear = _hadamard_qkv_linear(tp, groups)
     transform = RandomizedHadamard(64, torch.Generator().manual_seed(0))
     x = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(0))
 

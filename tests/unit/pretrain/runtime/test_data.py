@@ -156,8 +156,12 @@ def test_the_same_step_reads_the_same_batch_after_a_restart(mock_run, tokenizer,
 
 def test_document_masking_reaches_the_batches_and_the_model(mock_run, tokenizer, small_mock_corpus, tmp_path,
                                                             one_process_group):
-    """data.reset_attention_mask / reset_position_ids: megatron-core's mask and positions are collated
-    into the batches and reach the model through DeepSpeed's engine (batch_loss)."""
+    """data.reset_attention_mask / reset_position_ids: megatron-core's positions and each token's document
+    (the mask megatron-core's own would be, [b, s] instead of [b, 1, s, s]) are collated into the batches
+    and reach the model through DeepSpeed's engine (batch_loss)."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from ora_megatron.attention import visible_within_documents
     from pretrain.runtime.engine import build_engine
     from pretrain.runtime.loss import batch_loss, lm_loss
 
@@ -169,16 +173,31 @@ def test_document_masking_reaches_the_batches_and_the_model(mock_run, tokenizer,
     batch = next(b for b in (batches.micro_batch("train", step, micro) for step in range(5) for micro in range(2))
                  if bool((b["tokens"][:, :-1] == eod).any()))
     row, at = (int(i) for i in (batch["tokens"][:, :-1] == eod).nonzero()[0])
-    assert batch["attention_mask"].shape == (2, 1, SEQ, SEQ) and batch["attention_mask"].dtype == torch.bool
-    assert batch["position_ids"][row, at + 1] == 0 and bool(batch["attention_mask"][row, 0, at + 1, at])
+    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids", "document_ids"}
+    assert batch["document_ids"].shape == (2, SEQ) and batch["position_ids"][row, at + 1] == 0
+    assert batch["document_ids"][row, at + 1] == batch["document_ids"][row, at] + 1
+    megatron_masks = [_get_ltor_masks_and_position_ids(t, eod, True, True, False, True)[0] for t in batch["tokens"]]
+    assert torch.equal(~visible_within_documents(batch["document_ids"]), torch.stack(megatron_masks))
     engine = build_engine(cfg, grad_accum=2)
     engine.module.eval()
     with torch.no_grad():
         loss = batch_loss(engine.ds_engine, batch)
         direct = lm_loss(engine.module(batch["tokens"], position_ids=batch["position_ids"],
-                                       attention_mask=batch["attention_mask"]), (batch["labels"], batch["loss_mask"]))
+                                       document_ids=batch["document_ids"]), (batch["labels"], batch["loss_mask"]))
         across = batch_loss(engine.ds_engine, {k: batch[k] for k in ("tokens", "labels", "loss_mask")})
     assert abs(float(loss) - float(direct)) <= 1e-5 and float(loss) != float(across)
+
+
+def test_document_masking_alone_keeps_the_positions_of_the_sample(mock_run):
+    """data.reset_attention_mask without reset_position_ids: the batch carries documents, not the reset
+    positions they are read off (the model counts 0..s-1)."""
+    cfg = dataclasses.replace(mock_run, data=DataConfig(mock=True, reset_attention_mask=True))
+    assert data.document_keys(cfg) == ("document_ids",)
+    samples = [{"tokens": np.arange(6), "labels": np.arange(6), "loss_mask": np.ones(6),
+                "position_ids": np.array(positions)} for positions in ([0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5])]
+    batch = data.collate(samples, [0, 1], extra_keys=data.document_keys(cfg))
+    assert set(batch) == {"tokens", "labels", "loss_mask", "document_ids"}
+    assert batch["document_ids"].tolist() == [[0, 0, 1, 1, 1, 2], [0] * 6]
 
 
 # ---------------------------------------------------------------------------- indexed datasets
