@@ -1,11 +1,14 @@
 # The two README commands: `make demo` (set up + main job on the embedded default) and `make test`.
-# .ci/run installs through the `install` target. docker/Dockerfile installs the same pins, read from
-# pyproject.toml, into NVIDIA's PyTorch image but keeps that image's CUDA torch instead of torch==<pin>.
+# .ci/run installs through the `install` target: the project with every extra (EXTRAS), which the suite
+# exercises. docker/Dockerfile installs the same pins, read from pyproject.toml, into NVIDIA's PyTorch image
+# but keeps that image's CUDA torch instead of torch==<pin>.
 # PYTHON and VENV pick the interpreter and its environment: `make test PYTHON=python3.12 VENV=runs/venv-py312`
 # runs the suite under Python 3.12 (megatron-core 0.19) beside the default .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# pyproject.toml's extras, all of them: the tests and linters, the research tools, downstream evaluation.
+EXTRAS := test,research,eval
 # DeepSpeed compiles its CPU communication op on first use. Building it beside this environment's torch
 # keeps it apart from other environments' builds, and from a lock a killed build left in ~/.cache.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
@@ -17,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and by exact version: on these machines this picks the local CPU wheel.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	# DeepSpeed's CPU communication op (shared-memory collectives), built now rather than by the first
 	# run on CPU, which would wait about 35 s for it (a no-op where the accelerator is CUDA).
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
@@ -51,7 +54,7 @@ demo: install
 gpu-report:
 	$(PY) -m pretrain.research.gpu_report --out runs/gpu-report
 
-# The GPU set's wheels for the GPU machine (docs/launching.md): pyproject.toml's [tool.ora] gpu and what it needs,
+# The GPU set's wheels for the GPU machine (docs/launching.md): pyproject.toml's [tool.ora.gpu] and what it needs,
 # for CPython 3.12 on x86_64, less torch and what that machine has (docker/gpu_machine.txt), into runs/wheels;
 # prints their size with the repository's and fails over the 64 MiB that may go there (docker/gpu_wheels.py).
 wheels: install

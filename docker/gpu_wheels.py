@@ -7,10 +7,11 @@ off from the package index), fetched on a machine that has the index.
 then, on the GPU machine, from the repository root (its torch stays; the virtualenv sees it):
     docker/gpu_bringup.sh WHEELS OUT
 
-1. The requirements: the GPU set, the names in pyproject.toml's [tool.ora] gpu, each at its pin in the
-   dependencies or an optional-dependencies group, markers evaluated for the target's Python, not this one
-   (pip would evaluate them for the Python running it). Not the whole project: the GPU report and the
-   gpu-marked tests need far less, and the rest would not travel.
+1. The requirements: the GPU set, pyproject.toml's [tool.ora.gpu]: the core dependencies but torch and its
+   `left-out`, plus its `from-extras`, each at its pin in the dependencies or an optional-dependencies group,
+   markers evaluated for the target's Python, not this one (pip would evaluate them for the Python running
+   it). Not the whole project: the GPU report and the gpu-marked tests need far less, and the rest would not
+   travel.
 2. What the index has no wheel of (DeepSpeed, whose ops compile on first use) is built here with
    `pip wheel --no-deps`.
 3. pip resolves the set for the target (`pip install --dry-run --report`, binary wheels only). From its
@@ -19,7 +20,9 @@ then, on the GPU machine, from the repository root (its torch stays; the virtual
    --have takes `python3 -m pip list --format=freeze` of the target (docker/gpu_machine.txt: the GPU
    machine's): what it has already is left out, with what only that needs (the target's version is used
    then, whatever pyproject.toml pins). A package the index has only as source stops it, by name: build it
-   here as DeepSpeed is (BUILT_HERE), or leave what needs it out of the GPU set.
+   here as DeepSpeed is (BUILT_HERE), or leave what needs it out of the GPU set. pip resolves for another
+   platform (--platform, --python-version) with --dry-run from 23.3 on (an older one asks for --target):
+   the script checks the pip it runs first (PIP_NEEDED), and an older one stops it, saying how to upgrade.
 4. `pip download --no-deps --only-binary=:all:` fetches the wheels into WHEELS (its earlier wheels are
    removed first); WHEELS/requirements.txt pins them all (name==version).
 5. The wheels and the repository's files (git ls-files: tracked, and untracked but not ignored) are what
@@ -29,6 +32,7 @@ then, on the GPU machine, from the repository root (its torch stays; the virtual
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -41,6 +45,7 @@ from typing import NamedTuple
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT_BY_TARGET = "torch"
@@ -48,6 +53,7 @@ BUILT_HERE = ("deepspeed",)  # published as a source distribution only
 RESOLVE_ROUNDS = 3
 MIB = 2**20
 NO_WHEEL = re.compile(r"No matching distribution found for (\S+)")
+PIP_NEEDED = Version("23.3")  # the first pip whose `install --dry-run` takes --platform and --python-version
 
 
 class Package(NamedTuple):
@@ -84,20 +90,32 @@ def pins_of(pyproject: dict, environment: dict[str, str]) -> dict[str, list[Requ
     return pins
 
 
+def gpu_names(pyproject: dict) -> list[str]:
+    """The GPU set's names: the core dependencies (pyproject.toml's dependencies, once each) but torch and
+    [tool.ora.gpu] left-out, then its from-extras. ValueError names what is amiss."""
+    gpu = pyproject["tool"]["ora"]["gpu"]
+    core = {canonicalize_name(r.name): r.name for r in map(Requirement, pyproject["project"]["dependencies"])}
+    for name in gpu["left-out"]:
+        if canonicalize_name(name) not in core:
+            raise ValueError(f"[tool.ora.gpu] left-out names {name}, which is not a core dependency")
+    left_out = {KEPT_BY_TARGET, *map(canonicalize_name, gpu["left-out"])}
+    return [name for key, name in core.items() if key not in left_out] + list(gpu["from-extras"])
+
+
 def gpu_requirements(pyproject: dict, environment: dict[str, str]) -> list[Requirement]:
-    """The GPU set on the target: each name of [tool.ora] gpu at its one exact pin (==) in pyproject.toml
-    (pins_of). ValueError names what is amiss."""
+    """The GPU set on the target: each of gpu_names at its one exact pin (==) in pyproject.toml (pins_of).
+    ValueError names what is amiss."""
     pins = pins_of(pyproject, environment)
     chosen = []
-    for name in pyproject["tool"]["ora"]["gpu"]:
+    for name in gpu_names(pyproject):
         found = pins.get(canonicalize_name(name), [])
         if canonicalize_name(name) == KEPT_BY_TARGET:
-            raise ValueError(f"[tool.ora] gpu names {name}: the target keeps its own")
+            raise ValueError(f"[tool.ora.gpu] from-extras names {name}: the target keeps its own")
         python = environment["python_version"]
         if not found:
-            raise ValueError(f"[tool.ora] gpu names {name}, which pyproject.toml does not pin for Python {python}")
+            raise ValueError(f"the GPU set has {name}, which pyproject.toml does not pin for Python {python}")
         if len(found) != 1 or [spec.operator for spec in found[0].specifier] != ["=="]:
-            raise ValueError(f"[tool.ora] gpu names {name}, which pyproject.toml requires as "
+            raise ValueError(f"the GPU set has {name}, which pyproject.toml requires as "
                              f"{', '.join(map(str, found))} for Python {python}: the set takes one exact pin (==)")
         chosen.append(found[0])
     return chosen
@@ -172,6 +190,15 @@ def platforms(machine: str, glibc: str) -> list[str]:
     return tags + [f"{name}_{machine}" for m, name in legacy.items() if minor >= m]
 
 
+def old_pip(version: str) -> str | None:
+    """What to say when the pip of this version cannot run the commands below, else None."""
+    if Version(version) >= PIP_NEEDED:
+        return None
+    return (f"error: pip {version} cannot resolve for another platform (`pip install --dry-run` with --platform "
+            f"and --python-version, from pip {PIP_NEEDED} on): upgrade it with\n"
+            f"  {sys.executable} -m pip install --upgrade 'pip>={PIP_NEEDED}'")
+
+
 class PipFailed(Exception):
     """pip exited with an error; the exception holds its output."""
 
@@ -190,7 +217,7 @@ def pip_error(failure: PipFailed, python_version: str, machine: str) -> str:
     if missing:
         return (f"error: the index has no wheel of {', '.join(missing)} for CPython {python_version} on {machine} "
                 "(a source distribution only, or none for that Python). Build it here as DeepSpeed is (BUILT_HERE "
-                "in docker/gpu_wheels.py), or leave what needs it out of the GPU set ([tool.ora] gpu in "
+                "in docker/gpu_wheels.py), or leave what needs it out of the GPU set ([tool.ora.gpu] in "
                 "pyproject.toml).")
     tail = "\n".join(output.strip().splitlines()[-15:])
     return f"error: {command} failed:\n{tail}"
@@ -259,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pyproject", type=Path, default=REPO / "pyproject.toml", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    too_old = old_pip(importlib.metadata.version("pip"))
+    if too_old:
+        sys.exit(too_old)
     try:
         made = wheels(args)
     except PipFailed as failure:
@@ -272,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{total:.1f} MiB of {args.limit_mib:g} MiB")
     if total > args.limit_mib:
         sys.exit(f"error: {total:.1f} MiB is over the {args.limit_mib:g} MiB that may go to the GPU machine: "
-                 "leave packages it has out (--have) or packages it does not need out of [tool.ora] gpu")
+                 "leave packages it has out (--have) or packages it does not need out of the GPU set ([tool.ora.gpu])")
     return 0
 
 

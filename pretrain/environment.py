@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import subprocess
+from pathlib import Path
 
 from pretrain.config import RunConfig
 from pretrain.paths import REPO
@@ -45,15 +46,17 @@ def megatron_core_version() -> str:
     return importlib.metadata.version("megatron-core")
 
 
-def git_revision() -> str:
-    """HEAD of this checkout, with "-dirty" when its work tree has changes. Without git or outside a
-    checkout (the Docker image and the GPU machine's copy have no .git): ORA_GIT_REVISION, which their
-    builders set (docker/Dockerfile, docker/gpu_bringup.sh), else empty."""
+def git_revision(root: Path = REPO) -> str:
+    """HEAD of the checkout whose root is `root` (the project's), with "-dirty" when its work tree has changes.
+    Without git, or where `root` is not a checkout's root (the Docker image and the GPU machine's copy have no
+    .git; a copy inside another repository would otherwise get that repository's HEAD): ORA_GIT_REVISION,
+    which their builders set (docker/Dockerfile, docker/gpu_bringup.sh), else empty."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
     try:
-        revision = git("rev-parse", "HEAD")
+        top = git("rev-parse", "--show-toplevel")
+        revision = git("rev-parse", "HEAD") if top and Path(top).resolve() == root.resolve() else ""
         dirty = bool(revision) and bool(git("status", "--porcelain"))
     except OSError:
         revision, dirty = "", False

@@ -45,13 +45,14 @@ class Policy:
 
 WORLD_SIZE_KEY = "world_size"  # not a config key: the process count (a checkpoint's: its rng_rank{r}.pt files)
 
-# Changes that reshape how parameters and optimizer state are partitioned over processes. Refused
-# until "resume on a different topology" exists; that work changes this set and TOPOLOGY only.
+# Changes that reshape how parameters and optimizer state are partitioned over processes. Allowed: the
+# resume converts the checkpoint to the new partition (TOPOLOGY's reason says how).
 TOPOLOGY_KEYS = frozenset({"parallel.tensor", "parallel.pipeline", "deepspeed.zero_stage", WORLD_SIZE_KEY})
 TOPOLOGY = Policy(True, "the checkpoint is converted once to a topology-free form (pretrain/checkpoint/reshard.py)")
 
 SAFE = Policy(True, "read afresh on every start")
-UNCLASSIFIED = Policy(False, "not classified in pretrain/resume_check.POLICIES, so treated as incompatible")
+UNCLASSIFIED = Policy(False, "not classified in pretrain.checkpoint.resume_check.POLICIES, so treated as "
+                             "incompatible")
 
 # Dotted key prefix -> policy; the longest matching prefix wins (`train` covers `train.steps`).
 POLICIES: dict[str, Policy] = {

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from pretrain.environment import keep_offline
 from pretrain.export.export_record import read_export_record
+from pretrain.extras import needs_extra
 from pretrain.run_dir import RunDir, write_text_atomic
 
 EXIT_ERROR = 2
@@ -122,9 +123,11 @@ def evaluate(hf_dir: Path, tasks: list[str], batch_size: int = 8, limit: Optiona
     """Run lm-eval on the export in `hf_dir`; returns the evaluation record (checkpoint not set)."""
     if not (hf_dir / "config.json").is_file():
         raise EvaluateError(f"--hf {hf_dir}: not a directory written by pretrain.export.convert_to_hf (no config.json)")
-    import lm_eval
     import torch
-    from lm_eval.utils import handle_non_serializable
+
+    with needs_extra("eval"):
+        import lm_eval
+        from lm_eval.utils import handle_non_serializable
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_args = {"pretrained": str(hf_dir), "tokenizer": str(hf_dir)}

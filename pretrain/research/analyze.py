@@ -55,15 +55,18 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from matplotlib.figure import Figure
 
 from ora_megatron.attention import RandomQKVLinear, SynthesizerAttention
 from ora_megatron.stages import DecoderLayerStage, StagedGPT
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
 from pretrain.config import RunConfig
+from pretrain.extras import needs_extra
 from pretrain.research.report.plots import _save
 from pretrain.run_dir import RunDir
+
+with needs_extra("research"):
+    from matplotlib.figure import Figure
 
 NAME = "attention"
 DEFAULT_TOKENS = 4096

@@ -14,11 +14,14 @@ import argparse
 from pathlib import Path
 
 import torch
-from matplotlib.figure import Figure
 
 from pretrain.config import RunConfig, load_run_config
+from pretrain.extras import needs_extra
 from pretrain.paths import preset_path
 from pretrain.runtime.optimizer import lr_scheduler
+
+with needs_extra("research"):
+    from matplotlib.figure import Figure
 
 # A preset with other schedule settings, plotted beside the presets: name → (preset, --set overrides).
 VARIANTS = {"small-wsd": ("small", ["optimizer.decay_style=wsd", "optimizer.wsd_decay_steps=20000"])}

@@ -1,4 +1,4 @@
-"""The GPU set (pyproject.toml's [tool.ora] gpu) is enough for the GPU report: the report's module loads none
+"""The GPU set (pyproject.toml's [tool.ora.gpu]) is enough for the GPU report: the report's module loads none
 of the heavy packages the set leaves behind; with everything the set and the GPU machine do not provide made
 unimportable, what the report runs imports (`gpu_report --check-imports`) and `pytest -m gpu` collects every
 gpu-marked test of the suite. Each in a fresh interpreter, where nothing is imported yet."""

@@ -1,7 +1,7 @@
-"""docker/gpu_wheels.py, offline: the GPU set's pins it reads from pyproject.toml for the target's Python, the
-walk from them through a resolved set (markers for the target, never into torch, without what the target has),
-the platform tags it asks pip for, what it says when the index has no wheel of a package. Fetching from the
-index is not tested here."""
+"""docker/gpu_wheels.py, offline: the GPU set it derives from pyproject.toml's core dependencies, its pins for
+the target's Python, the pip it needs, the walk from them through a resolved set (markers for the target, never
+into torch, without what the target has), the platform tags it asks pip for, what it says when the index has no
+wheel of a package. Fetching from the index is not tested here."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def pins(requirements) -> dict[str, str]:
 
 @pytest.mark.parametrize("python, megatron", [("3.12", "==0.19.2"), ("3.11", "==0.16.1")])
 def test_gpu_set_at_the_pins_of_pyproject_for_the_target_python(python, megatron):
-    """[tool.ora] gpu's names at pyproject.toml's pins, markers evaluated for the target's Python, whatever
+    """The GPU set's names at pyproject.toml's pins, markers evaluated for the target's Python, whatever
     runs the script."""
     run = gpu_wheels.gpu_requirements(PYPROJECT, gpu_wheels.target_environment(python, "x86_64"))
-    assert [r.name for r in run] == PYPROJECT["tool"]["ora"]["gpu"]
+    assert [r.name for r in run] == gpu_wheels.gpu_names(PYPROJECT)
     assert pins(run)["megatron-core"] == megatron
     declared = [Requirement(text) for text in PYPROJECT["project"]["dependencies"]
                 + PYPROJECT["project"]["optional-dependencies"]["test"]]
@@ -40,19 +40,51 @@ def test_gpu_set_at_the_pins_of_pyproject_for_the_target_python(python, megatron
 
 
 def test_gpu_set_leaves_the_heavy_packages_and_torch_behind():
-    names = set(PYPROJECT["tool"]["ora"]["gpu"])
+    names = set(gpu_wheels.gpu_names(PYPROJECT))
+    assert {"deepspeed", "megatron-core", "numpy", "pyyaml", "zstandard", "pytest"} <= names
     assert not names & {"torch", "datasets", "pyarrow", "scipy", "matplotlib", "wandb", "lm-eval"}
 
 
-@pytest.mark.parametrize("gpu, message", [
-    (["torch"], "the target keeps its own"),
-    (["flash-attn"], "flash-attn, which pyproject.toml does not pin for Python 3.12"),
-    (["loose"], "loose>=1.0 for Python 3.12: the set takes one exact pin"),
+def small_pyproject(dependencies: list[str], left_out: list[str], from_extras: list[str]) -> dict:
+    return {"project": {"dependencies": dependencies, "optional-dependencies": {"test": ["pytest==9.2.0"]}},
+            "tool": {"ora": {"gpu": {"left-out": left_out, "from-extras": from_extras}}}}
+
+
+def test_a_new_core_dependency_joins_the_gpu_set_unless_left_out():
+    dependencies = ["torch==2.13.0", "small==1.0; python_version < '3.12'", "small==1.1; python_version >= '3.12'",
+                    "Big_Package==2.0", "new==3.0"]
+    pyproject = small_pyproject(dependencies, ["big-package"], ["pytest"])
+    assert gpu_wheels.gpu_names(pyproject) == ["small", "new", "pytest"]
+    run = gpu_wheels.gpu_requirements(pyproject, gpu_wheels.target_environment("3.12", "x86_64"))
+    assert [str(r.specifier) for r in run] == ["==1.1", "==3.0", "==9.2.0"]
+    with pytest.raises(ValueError, match="left-out names gone, which is not a core dependency"):
+        gpu_wheels.gpu_names(small_pyproject(dependencies, ["gone"], []))
+
+
+@pytest.mark.parametrize("dependencies, from_extras, message", [
+    (["torch==2.13.0"], ["torch"], "from-extras names torch: the target keeps its own"),
+    (["torch==2.13.0"], ["flash-attn"], "flash-attn, which pyproject.toml does not pin for Python 3.12"),
+    (["torch==2.13.0", "loose>=1.0"], [], "loose>=1.0 for Python 3.12: the set takes one exact pin"),
 ])
-def test_gpu_set_names_only_exactly_pinned_packages_but_torch(gpu, message):
-    pyproject = {"project": {"dependencies": ["torch==2.13.0", "loose>=1.0"]}, "tool": {"ora": {"gpu": gpu}}}
+def test_gpu_set_names_only_exactly_pinned_packages_but_torch(dependencies, from_extras, message):
+    pyproject = small_pyproject(dependencies, [], from_extras)
     with pytest.raises(ValueError, match=message):
         gpu_wheels.gpu_requirements(pyproject, gpu_wheels.target_environment("3.12", "x86_64"))
+
+
+@pytest.mark.parametrize("version", ["23.3", "24.0", "26.3"])
+def test_a_pip_that_resolves_for_another_platform_passes(version):
+    assert gpu_wheels.old_pip(version) is None
+
+
+def test_an_older_pip_is_named_with_how_to_upgrade_it(monkeypatch, tmp_path, capsys):
+    message = gpu_wheels.old_pip("23.2.1")
+    assert message.startswith("error: pip 23.2.1 cannot resolve for another platform")
+    assert message.endswith(f"{sys.executable} -m pip install --upgrade 'pip>=23.3'")
+    monkeypatch.setattr(gpu_wheels.importlib.metadata, "version", lambda name: "23.2.1")
+    with pytest.raises(SystemExit) as exit_:
+        gpu_wheels.main(["--out", str(tmp_path / "wheels")])
+    assert exit_.value.code == message and not (tmp_path / "wheels").exists()
 
 
 def test_constraints_are_the_project_pins_without_extras_or_torch():
@@ -121,7 +153,7 @@ def test_a_source_only_package_is_named_with_what_to_do():
               "versions: none)\nERROR: No matching distribution found for sqlitedict\n")
     message = gpu_wheels.pip_error(gpu_wheels.PipFailed("pip install", output), "3.12", "x86_64")
     assert message.startswith("error: the index has no wheel of sqlitedict for CPython 3.12 on x86_64")
-    assert "BUILT_HERE" in message and "[tool.ora] gpu" in message
+    assert "BUILT_HERE" in message and "[tool.ora.gpu]" in message
     other = gpu_wheels.pip_error(gpu_wheels.PipFailed("pip download", "a\nb\nERROR: disk full\n"), "3.12", "x86_64")
     assert other == "error: pip download failed:\na\nb\nERROR: disk full"
 

@@ -15,7 +15,7 @@ from pretrain_runs import REPO
 # Lowest first. Units on one floor are siblings: neither imports the other.
 FLOORS = [
     ("ora_megatron", "data_tools"),  # the model; corpus tooling (the training side reads its manifest)
-    ("pretrain.paths", "pretrain.config"),  # the repository's files; the typed run config
+    ("pretrain.paths", "pretrain.extras", "pretrain.config"),  # the repository's files; extras; the typed run config
     ("pretrain.run_dir", "pretrain.environment"),
     ("pretrain.supervision",),  # launching, watching and restarting a job's ranks
     ("pretrain.runtime",),  # engine, data, loss, optimizer, metrics, freeze schedules

@@ -11,12 +11,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, NullLocator
-
+from pretrain.extras import needs_extra
 from pretrain.research.report.runs import RunMeasures
 from pretrain.research.report.stats import Trend, fitted_value, spread
+
+with needs_extra("research"):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator, NullLocator
 
 VALID_CURVES = "valid_loss_curves.png"
 FINAL_LOSS = "final_valid_loss.png"

@@ -11,7 +11,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from scipy import stats
+from pretrain.extras import needs_extra
+
+with needs_extra("research"):
+    from scipy import stats
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The GPU report: its refusal without CUDA (before DeepSpeed or megatron-core loads), the report built from
-hand-made measurements (schema, derived figures, Markdown), its commands' time limits; on a GPU, the
+hand-made measurements (gpu_report_build: schema, derived figures, Markdown), its commands' time limits; on a GPU, the
 profiler's kernel table. The CPU suite hides the machine's GPUs from what it starts (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import pretrain.research
 from pretrain.config import load_run_config, validate_for_world
 from pretrain.paths import preset_path
-from pretrain.research import gpu_report
+from pretrain.research import gpu_report, gpu_report_build
 
 GIB = 2**30
 PEAK = {"device": "NVIDIA H100 80GB HBM3", "model": "H100 SXM", "dtype": "bf16", "tflops": 989.5}
@@ -126,7 +126,7 @@ def test_default_work_is_budgeted_within_six_minutes():
 # ---------------------------------------------------------------------------- the report
 def test_report_from_measurements():
     measured = measurements()
-    report = gpu_report.build_report(measured)
+    report = gpu_report_build.build_report(measured)
     json.dumps(report, allow_nan=False)  # JSON as it is written
     assert report["schema"] == "ora-gpu-report/1"
     assert set(report) == {"schema", "created", "command", "budget_s", "elapsed_s", "overrides", "environment",
@@ -161,14 +161,14 @@ def test_report_from_measurements():
     assert skipped["top_kernels"] is None and skipped["outcome"]["status"] == "skipped"
     assert profiled["breakdown"]["busy_share"] == 0.533 and skipped["breakdown"] is None
 
-    assert gpu_report.failures(report) == ["tests pytest -m gpu: failed", "bench base: timed out",
+    assert gpu_report_build.failures(report) == ["tests pytest -m gpu: failed", "bench base: timed out",
                                            "profile small ora: skipped"]
-    measured["tests"] = {"outcome": outcome(gpu_report.NOT_ASKED)}  # left out of --sections: no failure
-    assert gpu_report.failures(gpu_report.build_report(measured))[0] == "bench base: timed out"
+    measured["tests"] = {"outcome": outcome(gpu_report_build.NOT_ASKED)}  # left out of --sections: no failure
+    assert gpu_report_build.failures(gpu_report_build.build_report(measured))[0] == "bench base: timed out"
 
 
 def test_markdown_has_a_table_per_section():
-    text = gpu_report.markdown(gpu_report.build_report(measurements()))
+    text = gpu_report_build.markdown(gpu_report_build.build_report(measurements()))
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert [h.split(" (")[0] for h in headings] == ["## Environment", "## GPU tests", "## Arms side by side",
                                                      "## Training loop", "## Where the device time goes",
@@ -184,7 +184,7 @@ def test_markdown_has_a_table_per_section():
 
 def test_train_overrides_make_a_one_gpu_run_of_each_preset():
     for preset in ("small", "base"):
-        cfg = load_run_config(str(preset_path(preset)), gpu_report.train_overrides(50))
+        cfg = load_run_config(str(preset_path(preset)), gpu_report_build.train_overrides(50))
         validate_for_world(cfg, 1)
         assert cfg.data.mock and cfg.train.steps == 50 and cfg.logging.wandb_mode == "disabled"
 
@@ -216,7 +216,7 @@ def test_profiled_steps_give_a_trace_and_the_kernels_by_device_time(tmp_path):
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     trace = tmp_path / "trace.json.gz"
     events = gpu_report.profiled(lambda index: a @ a, 3, trace)
-    kernels = gpu_report.top_kernels(events)
+    kernels = gpu_report_build.top_kernels(events)
     assert kernels and kernels[0]["self_device_ms"] > 0 and kernels[0]["calls"] >= 3
     assert sum(k["share"] for k in kernels) == pytest.approx(1.0) or len(events) > len(kernels)
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
