@@ -262,7 +262,7 @@ class RandomQKVLinear(torch.nn.Module):
         _mark_head_sharded(self.q_weight, self.k_weight, self.v_bias)
         self.hadamard = None  # HadamardRows of Q and K, set by generate_qk for ora/hadamard
         self._hadamard_weights_checked = False
-        # Role → the full (all heads) Q or K a run imported instead of drawing (train.init_from_qk:
+        # Role → the full (all heads) Q or K a run imported instead of drawing (init_from.qk:
         # imported); the reference its frozen copies are checked against, as the draw is otherwise.
         self.imported_qk: dict[str, torch.Tensor] = {}
 

@@ -1,6 +1,8 @@
 """The pretraining run config: every section of the YAML, typed and validated before launch.
 
-`model:` and `parallel:` are ora_megatron's (model_config.py); the rest is defined here. Checks
+`model:` and `parallel:` are ora_megatron's (model_config.py); each of `stability:` (stability.py),
+`supervision:` (supervision.py), `init_from:` (init_from.py) and `faults:` (faults.py) is defined
+beside the component that reads it; the rest is defined here. Checks
 that depend on the number of processes (batch divisibility, ZeRO vs pipeline) run in
 `validate_for_world(cfg, world_size)`, which the entry point calls before spawning workers, and
 `for_world(cfg, world_size)` gives the config that then runs (and that the run dir records).
@@ -13,6 +15,12 @@ from typing import Literal, Optional, Union
 
 from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml
 from ora_megatron.model_config import ModelConfig, ParallelConfig, validate_model_parallel
+from pretrain.faults import FaultInjection, check_faults_fit
+from pretrain.init_from import InitFromConfig
+from pretrain.parallel_layout import ParallelLayout
+from pretrain.run_dir import RunDir
+from pretrain.stability import StabilityConfig
+from pretrain.supervision import SupervisionConfig
 
 LayerSet = Union[Literal["all", "none", "first_half", "second_half"], list[int]]
 
@@ -52,74 +60,6 @@ class EarlyStopping:
 
 
 @dataclass
-class SpikeSkip:
-    """Skip-step (OLMo-core's SkipStepOptimizer rule): an update whose loss or gradient norm lies above
-    the mean + sigma × the standard deviation of the last `window` steps' is not applied."""
-
-    enabled: bool = False
-    """Skip updates whose loss or gradient norm spikes; costs one scalar all-reduce per step."""
-    window: int = 128
-    """Steps whose loss and gradient norm make the statistics; decisions start once half of it is filled."""
-    sigma: float = 6.0
-    """An update is skipped above mean + sigma × std of the window (loss or gradient norm)."""
-
-    def validate(self, key: str) -> None:
-        check(self.window >= 4, f"{key}.window", "must be >= 4")
-        check(self.sigma > 0, f"{key}.sigma", "must be > 0")
-
-
-@dataclass
-class Rewind:
-    """What a divergence that persists does (train.max_consecutive_skips skipped steps in a row):
-    reload the newest checkpoint from before it and skip the data batches that led to it (PaLM's
-    recipe: back ~100 steps before a spike, 200-500 batches skipped), instead of stopping the run."""
-
-    enabled: bool = False
-    """Rewind instead of stopping when train.max_consecutive_skips steps in a row were skipped."""
-    skip_batches: int = 200
-    """Global batches skipped: those that end with the divergent steps' (all of them at least); the steps before
-    them, from the checkpoint on, train again on their own batches."""
-    max_rewinds: int = 3
-    """Rewinds in the whole run; one more divergence stops it (status 3, summary.json says why)."""
-
-    def validate(self, key: str) -> None:
-        check(self.skip_batches >= 1, f"{key}.skip_batches", "must be >= 1")
-        check(self.max_rewinds >= 1, f"{key}.max_rewinds", "must be >= 1")
-
-
-FAULT_KINDS = ("kill", "stop", "crash", "preempt", "spike", "nan")
-PROCESS_FAULTS = ("kill", "stop", "crash", "preempt")
-
-
-@dataclass
-class FaultInjection:
-    """One injected fault (tests and the chaos benchmark; no real config has any)."""
-
-    kind: Literal["kill", "stop", "crash", "preempt", "spike", "nan"] = "kill"
-    """kill: SIGKILL the rank; stop: SIGSTOP it (a hang); crash: raise; preempt: SIGTERM the job;
-    spike: scale the loss by `factor`; nan: make the loss non-finite."""
-    step: Optional[int] = None
-    """kill/stop/crash/preempt: after this (1-based) step has been trained."""
-    batch: Optional[int] = None
-    """spike/nan: while training on this (1-based) global batch of the data (the step, unless a rewind skipped some)."""
-    rank: int = 0
-    """kill/stop/crash/preempt: the rank it happens on."""
-    attempt: Optional[int] = 0
-    """kill/stop/crash/preempt: only in this attempt of the job (0: before any restart); null: in every attempt."""
-    factor: float = 100.0
-    """spike: the loss (and so the gradients) is multiplied by this."""
-
-    def validate(self, key: str) -> None:
-        if self.kind in PROCESS_FAULTS:
-            check(self.step is not None and self.step >= 1 and self.batch is None, f"{key}.step",
-                  f"a {self.kind} fault needs step >= 1 (and no batch)")
-        else:
-            check(self.batch is not None and self.batch >= 1 and self.step is None, f"{key}.batch",
-                  f"a {self.kind} fault needs batch >= 1 (and no step)")
-        check(self.rank >= 0, f"{key}.rank", "must be >= 0")
-
-
-@dataclass
 class TrainConfig:
     micro_batch_size: int = 4
     """Samples per forward/backward pass on each data-parallel rank."""
@@ -143,43 +83,9 @@ class TrainConfig:
     """none, partial_frozen (50% of steps all Q/K frozen, 30% the first half, 20% none) or a list of stages."""
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     """Stop on a validation-loss plateau."""
-    max_consecutive_skips: int = 5
-    """Steps with a non-finite loss (or a spike, with spike_skip) are skipped; this many in a row stops the
-    run, or rewinds it (train.rewind)."""
-    collective_timeout_s: int = 600
-    """A collective that waits longer than this (seconds) fails, so ranks exit when a peer has died."""
-    max_restarts: int = 0
-    """Restarts of a failed job (a dead, killed or hung rank): all ranks start again from the latest intact
-    checkpoint. Counted over failures in a row without a newer checkpoint; statuses 2, 3 and 75 are never
-    retried. 0: a failure ends the job."""
-    restart_backoff_s: float = 10.0
-    """Seconds before a restart, doubled for each further failure in a row without a newer checkpoint."""
-    hang_timeout_s: float = 0.0
-    """A rank that finishes no step for this long (evaluation, checkpoints and start-up not counted) writes
-    every thread's stack to the run dir's hangs/ and exits with status 4. 0: no watchdog; else below
-    collective_timeout_s."""
-    max_wall_time: float = 0.0
-    """Seconds from the job's start: the run saves a checkpoint and stops (status 75) before its next step
-    and save would pass it. 0: no limit."""
-    spike_skip: SpikeSkip = field(default_factory=SpikeSkip)
-    """Loss-spike skip-step."""
-    rewind: Rewind = field(default_factory=Rewind)
-    """Rewind a divergence that persists."""
-    inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
-    """Fault injection: make the loss non-finite at these (1-based) steps; empty in every real config."""
     eval_per_source: bool = True
     """With a data manifest of several sources, each evaluation also reports every source's loss (eval_iters
     batches of each)."""
-    init_from: Optional[str] = None
-    """Start from these weights, not random ones: a Hugging Face model directory (gpt2/llama, safetensors) or
-    a run dir / checkpoint of this project. Weights only (optimizer, LR schedule, step start afresh); read at
-    the run's first start only."""
-    init_from_qk: Optional[Literal["draw", "imported"]] = None
-    """Required with init_from and random-Q/K attention (ora, frozen_*): draw Q/K as a fresh run does (from
-    model.seed), or take the imported ones (frozen unless attention.train_q/train_k)."""
-    inject_faults: list[FaultInjection] = field(default_factory=list)
-    """Fault injection (tests, the chaos benchmark): process faults at steps, loss faults at data batches;
-    empty in every real config."""
 
     @property
     def freeze_stages(self) -> list[FreezeStage]:
@@ -209,22 +115,10 @@ class TrainConfig:
         return self.eval_iters * self.global_batch_size
 
     def validate(self, key: str) -> None:
-        for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
-                     "eval_interval", "eval_iters", "max_consecutive_skips", "collective_timeout_s"):
+        for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval", "eval_interval", "eval_iters"):
             check(getattr(self, name) > 0, f"{key}.{name}", "must be > 0")
         check(self.global_batch_size % self.micro_batch_size == 0, f"{key}.global_batch_size",
               f"{self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
-        check(self.max_restarts >= 0, f"{key}.max_restarts", "must be >= 0")
-        for name in ("restart_backoff_s", "hang_timeout_s", "max_wall_time"):
-            check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
-        # The watchdog, which writes the stacks, must fire before a collective with a hung peer times out.
-        check(self.hang_timeout_s < self.collective_timeout_s, f"{key}.hang_timeout_s",
-              f"{self.hang_timeout_s:g} must be below collective_timeout_s ({self.collective_timeout_s}), so that "
-              "the watchdog (which writes every thread's stack) fires before a collective times out")
-        self.spike_skip.validate(f"{key}.spike_skip")
-        self.rewind.validate(f"{key}.rewind")
-        for i, fault in enumerate(self.inject_faults):
-            fault.validate(f"{key}.inject_faults[{i}]")
 
 
 @dataclass
@@ -404,6 +298,15 @@ class RunConfig:
     """TensorBoard, wandb and the progress bar (metrics.jsonl is always written)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint frequency and retention."""
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    """Skipped steps (non-finite or spiking) and what a run of them does."""
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    """Restarts, the hang watchdog, collective timeouts and the wall-time limit of an unattended job."""
+    init_from: InitFromConfig = field(default_factory=InitFromConfig)
+    """Weights a fresh run starts from instead of random ones."""
+    faults: list[FaultInjection] = field(default_factory=list)
+    """Faults made on purpose (tests, the chaos benchmark): process faults at steps, loss faults at data
+    batches; empty in every real config."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -450,21 +353,18 @@ class RunConfig:
                         check(not bad, f"train.freeze_schedule[{i}].{name}",
                               f"layer numbers {bad} outside 1..{self.model.num_layers}")
 
-
     def _validate_init_from(self) -> None:
-        train, att = self.train, self.model.attention
-        if train.init_from is None:
-            check(train.init_from_qk is None, "train.init_from_qk", "read only with train.init_from: leave it at null")
+        path, qk, att = self.init_from.path, self.init_from.qk, self.model.attention
+        if path is None:
             return
-        check(bool(train.init_from.strip()), "train.init_from", "an empty path; null starts from random weights")
-        check(att.uses_qk, "train.init_from",
+        check(att.uses_qk, "init_from.path",
               f"attention type '{att.type}' has no Q/K projections to import into (vanilla, ora, frozen_* have)")
         if att.custom_qkv:
-            check(train.init_from_qk is not None, "train.init_from_qk",
+            check(qk is not None, "init_from.qk",
                   f"attention type '{att.type}' draws its Q/K: choose draw (as a fresh run, from model.seed) or "
                   "imported (the source's Q/K)")
         else:
-            check(train.init_from_qk is None, "train.init_from_qk",
+            check(qk is None, "init_from.qk",
                   f"read only for random-Q/K attention (ora, frozen_*); '{att.type}' imports its trainable Q/K: "
                   "leave it at null")
 
@@ -474,9 +374,9 @@ def load_run_config(path: str, overrides: list[str] = ()) -> RunConfig:
     return from_dict(RunConfig, data)
 
 
-def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
-    """The data-parallel size: the world size over tensor × pipeline."""
-    return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
+def read_run_config(run_dir: RunDir) -> RunConfig:
+    """A run's resolved config (its run dir's config.yaml) as a typed RunConfig."""
+    return load_run_config(str(run_dir.config))
 
 
 def validate_for_world(cfg: RunConfig, world_size: int) -> int:
@@ -484,7 +384,7 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
     check(world_size % model_parallel == 0, "parallel.tensor",
           f"world size {world_size} is not divisible by tensor × pipeline = {model_parallel}")
-    dp = data_parallel_size(cfg, world_size)
+    dp = ParallelLayout.of(cfg.parallel, world_size).data
     per_step = cfg.train.micro_batch_size * dp
     check(cfg.train.global_batch_size % per_step == 0, "train.global_batch_size",
           f"{cfg.train.global_batch_size} is not a multiple of micro_batch_size × data-parallel size "
@@ -495,15 +395,9 @@ def validate_for_world(cfg: RunConfig, world_size: int) -> int:
               f"with parallel.pipeline={cfg.parallel.pipeline}")
         check(not cfg.train.freeze_stages, "train.freeze_schedule",
               "freeze schedules are not supported with pipeline parallelism yet")
-        check(not cfg.train.inject_nonfinite_loss_steps, "train.inject_nonfinite_loss_steps",
-              "fault injection is implemented for pipeline size 1 only")
-        check(not any(f.kind not in PROCESS_FAULTS for f in cfg.train.inject_faults), "train.inject_faults",
-              "spike and nan faults are implemented for pipeline size 1 only")
-        check(not cfg.train.spike_skip.enabled, "train.spike_skip.enabled",
+        check(not cfg.stability.spike_skip.enabled, "stability.spike_skip.enabled",
               "skip-step is implemented for pipeline size 1 only (the pipeline engine steps inside train_batch)")
-    ranks = [f.rank for f in cfg.train.inject_faults if f.kind in PROCESS_FAULTS]
-    check(all(rank < world_size for rank in ranks), "train.inject_faults",
-          f"a fault names rank {max(ranks, default=0)}, the world size is {world_size}")
+    check_faults_fit(cfg.faults, world_size, cfg.parallel.pipeline)
     return cfg.train.global_batch_size // per_step
 
 
@@ -517,10 +411,11 @@ def for_world(cfg: RunConfig, world_size: int) -> RunConfig:
     the stage that ran, so resuming on more ranks reshards the checkpoint like any other ZeRO change.
     """
     ds = cfg.deepspeed
-    if data_parallel_size(cfg, world_size) > 1 or ds.zero_stage == 0 or ds.precision != "fp32" or ds.zero_with_one_rank:
+    one_rank = ParallelLayout.of(cfg.parallel, world_size).data == 1
+    if not one_rank or ds.zero_stage == 0 or ds.precision != "fp32" or ds.zero_with_one_rank:
         return cfg
     return replace(cfg, deepspeed=replace(ds, zero_stage=0))
 
 
-__all__ = ["RunConfig", "load_run_config", "validate_for_world", "for_world", "data_parallel_size", "ConfigError",
-           "FreezeStage", "PARTIAL_FROZEN", "FaultInjection", "SpikeSkip", "Rewind"]
+__all__ = ["RunConfig", "load_run_config", "read_run_config", "validate_for_world", "for_world", "ConfigError",
+           "FreezeStage", "PARTIAL_FROZEN"]

@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from pretrain.config import RunConfig
+from ora_megatron.model_config import ParallelConfig
 from pretrain.paths import REPO
 
 # Keep the Hugging Face libraries (huggingface_hub, transformers, datasets) off the network:
@@ -30,13 +30,13 @@ def keep_offline(wandb_mode: str = "disabled") -> None:
         os.environ["WANDB_MODE"] = wandb_mode
 
 
-def device_environment(cfg: RunConfig) -> dict[str, str]:
+def device_environment(parallel: ParallelConfig) -> dict[str, str]:
     """Variables the CUDA runtime must see before it starts, for this config's layout.
 
     With tensor parallelism, megatron-core overlaps its TP all-reduce with the next GEMM only when
     the device executes kernels in issue order: one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1).
     """
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.parallel.tensor > 1 else {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if parallel.tensor > 1 else {}
 
 
 def megatron_core_version() -> str:

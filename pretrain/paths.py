@@ -1,4 +1,5 @@
-"""Where the repository's own files are: its root, DeepSpeed's JSON pieces and the run-config presets."""
+"""Where the repository's own files are: its root, the training entry, DeepSpeed's JSON pieces and the
+run-config presets."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
+ENTRY_MODULE = "pretrain.pretrain_ora"  # the training entry, for `python -m` (run from REPO)
 DS_CONFIG_DIR = REPO / "ds_configs"
 # Run configs by name (tiny, small, base, large); configs/shared/ holds what presets inherit.
 PRESETS = REPO / "pretrain" / "configs"

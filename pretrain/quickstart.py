@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from pretrain.config import read_run_config
 from pretrain.export.export_record import recorded_files
 from pretrain.paths import REPO
 from pretrain.run_dir import RunDir
@@ -44,7 +45,7 @@ class Stage:
     argv: Optional[Callable[["Flow"], list[str]]]  # None: the stage reports what an earlier one did
     result: Callable[["Flow", str], str]  # the stage's output (stdout + stderr) -> its one line
     outputs: Callable[["Flow"], list[Path]]  # what it leaves; its .done counts only while they all exist
-    progress: Optional[Callable[["Flow"], "Progress"]] = None  # follows a long stage on the terminal
+    progress: Optional[Callable[["Flow"], "TrainingProgress"]] = None  # follows a long stage on the terminal
 
 
 class Flow:
@@ -63,7 +64,7 @@ class Flow:
                 "DATA_MANIFEST": str(self.shards / "manifest.json")}
 
 
-class Progress:
+class TrainingProgress:
     """Prints what a training run has logged since the last poll: its latest train record and every
     evaluation (metrics.jsonl, read through RunDir; records of an earlier segment are not repeated)."""
 
@@ -83,7 +84,7 @@ class Progress:
         self.seen += len(records)
         if self.steps is None and self.run.config.exists():
             try:
-                self.steps = self.run.read_config().train.steps
+                self.steps = read_run_config(self.run).train.steps
             except (OSError, ValueError):  # being written, or the run's own error to report
                 pass
         of_steps = f"/{self.steps}" if self.steps else ""
@@ -155,7 +156,7 @@ STAGES = [
                                       "--split", "train=0.98,valid=0.01,test=0.01", "--workers", "2"),
           _line_starting("build_shards:"), lambda f: [f.shards / "manifest.json"]),
     Stage("pretrain", lambda f: ["bash", str(REPO / "launch" / "pretrain_ora.sh"), "tiny"], _training_result,
-          _training_outputs, progress=lambda f: Progress(f.run)),
+          _training_outputs, progress=lambda f: TrainingProgress(f.run)),
     # The training run ends with the test-set evaluation; this stage reports it from the run dir.
     Stage("test", None, _test_result, lambda f: [RunDir(f.run).metrics]),
     Stage("export", lambda f: _python("-m", "pretrain.export.convert_to_hf", "--run-dir", str(f.run),
@@ -168,7 +169,7 @@ STAGES = [
 ]
 
 
-def run_logged(argv: list[str], log: Path, env: dict, progress: Optional[Progress] = None) -> str:
+def run_logged(argv: list[str], log: Path, env: dict, progress: Optional[TrainingProgress] = None) -> str:
     """Run a command with its output in `log` (after a first line showing the command), polling
     `progress` while it runs; returns the output."""
     with open(log, "w") as out:
@@ -260,8 +261,8 @@ def next_steps(flow: Flow) -> str:
         "fine-tune": [f"python -m data_tools.build_shards --input OTHER_CORPUS --tokenizer {tokenizer} "
                       "--output-dir FT_SHARDS --split-by-source --split train=0.9,valid=0.05,test=0.05",
                       "python -m pretrain.pretrain_ora --config pretrain/configs/tiny.yaml --nproc-per-node 2 "
-                      f"--set data.manifest=FT_SHARDS/manifest.json --set train.init_from={hf} "
-                      "--set train.init_from_qk=imported --set train.steps=300  # docs/launching.md"],
+                      f"--set data.manifest=FT_SHARDS/manifest.json --set init_from.path={hf} "
+                      "--set init_from.qk=imported --set train.steps=300  # docs/launching.md"],
         "your data": ["python -m data_tools.train_tokenizer --input CORPUS --model-prefix TOK/sp --vocab-size 32000",
                       "python -m data_tools.build_shards --input CORPUS --tokenizer TOK/sp.model --output-dir SHARDS",
                       "DATA_MANIFEST=SHARDS/manifest.json launch/pretrain_ora.sh small  "

@@ -9,7 +9,7 @@
       restarts.jsonl                                 one RestartRecord per failure of a supervised job
       hangs/<time>-step<N>-rank<r>.txt               every thread's stack, written by a rank's hang watchdog
       experiment.yaml                                ExperimentRecord of a sweep run (pretrain/research/sweep/)
-      init_from.json                                 what the run's first start imported (train.init_from)
+      init_from.json                                 what the run's first start imported (init_from.path)
       init_from/weights.safetensors                  those weights, converted to the run's model (fp32)
       evaluations/<name>.json                        one post-training evaluation each (attention, probe, downstream)
       checkpoints/latest                             tag of the newest complete checkpoint
@@ -43,11 +43,12 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Optional, Union
 
 from ora_megatron.config_io import parse_yaml, to_dict
+from pretrain.run_records import EvalRecord, EventRecord, ExperimentRecord, Record, RestartRecord, Summary, TrainRecord
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
@@ -68,138 +69,6 @@ def step_of_tag(tag: str) -> int:
     if match is None:
         raise ValueError(f"not a checkpoint tag: {tag!r}")
     return int(match.group(1))
-
-
-@dataclass
-class TrainRecord:
-    """One logged training step."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: Optional[float]
-    tokens_per_s: float
-    step_time_s: float
-    skipped_steps: int
-    trainable_params: int
-    peak_mem_bytes: int  # GPU: allocator peak; CPU: process max RSS
-    tflops_per_device: Optional[float] = None  # on a GPU whose peak is known
-    mfu: Optional[float] = None
-    # Gradient 2-norm of each stage ({"embedding": …, "layer1": …}) before clipping, at log-interval
-    # steps (logging.layer_grad_norms); None where not measured or not finite.
-    layer_grad_norms: Optional[dict[str, Optional[float]]] = None
-    # What kept this step's update from being applied: "non-finite", "loss spike" or "grad-norm spike".
-    skip_reason: Optional[str] = None
-    # The run's events so far (every segment and job): updates skipped as spikes, restarts of a failed
-    # job, hangs among those failures, rewinds.
-    spike_skips: int = 0
-    restarts: int = 0
-    hangs: int = 0
-    rewinds: int = 0
-    split: str = "train"
-
-
-@dataclass
-class EventRecord:
-    """Something that happened to the run at `step`: a restart (its RestartRecord), a rewind (what was
-    reloaded and which data batches were skipped) or a skipped spike (the loss, the norm, the bounds)."""
-
-    step: int
-    kind: str  # "restart" | "rewind" | "spike"
-    detail: dict = field(default_factory=dict)
-    split: str = "event"
-
-
-@dataclass
-class RestartRecord:
-    """One failure of a supervised job and what its supervisor (pretrain/supervision.py) did about it:
-    one line of restarts.jsonl, written by the process that launched the ranks, never by the dead ones."""
-
-    time: str
-    action: str  # "restart", or "stop": the job ends with this failure (refused, crash loop)
-    host: str
-    node_rank: Optional[int]  # with one launch per node (NODE_RANK), the node that writes it
-    attempt: int  # the attempt that failed: 0 is the job's first launch
-    exit_code: int  # the launcher's
-    ranks: dict[str, str]  # rank -> "exit 4 (hung)", "SIGKILL", ... as the launcher reported them
-    cause: str  # one line
-    hang_dumps: list[str]  # files of hangs/ this failure wrote
-    log_tail: list[str]  # the job's last output lines
-    failed_at_step: Optional[int]  # the last step logged before the failure
-    resumed_from_step: Optional[int]  # the checkpoint the restart resumes from
-    steps_redone: Optional[int]
-    seconds_lost: float  # from the resumed checkpoint's save to the relaunch (the relaunch's start-up comes on top)
-    backoff_s: float
-
-
-@dataclass
-class EvalRecord:
-    """Loss and perplexity on the validation set (every eval_interval) or the test set (at the end)."""
-
-    step: int
-    split: str  # "valid" or "test"
-    loss: float  # of the blend
-    ppl: float
-    # Each data source's loss on its own part of the split (a manifest of several sources,
-    # train.eval_per_source); None otherwise.
-    sources: Optional[dict[str, float]] = None
-
-
-Record = Union[TrainRecord, EvalRecord, EventRecord]
-
-
-@dataclass
-class Summary:
-    """What a finished, stopped-early or preempted run reports."""
-
-    final_train_loss: float
-    final_valid_loss: Optional[float]
-    final_test_loss: Optional[float]  # None when preempted or without a test split
-    wall_time_s: float  # the training loop's, summed over the run's segments (resumes add to it)
-    steps: int
-    stopped_early: bool
-    preempted: bool
-    tokens_seen: int
-    skipped_steps: int
-    trainable_params: int
-    frozen_params: int
-    # Per rank: Adam-state elements/bytes and gradient bytes, read from the live tensors.
-    allocated_by_rank: list[dict] = field(default_factory=list)
-    # Each data source's loss at the last validation / the test (EvalRecord.sources); None without them.
-    final_valid_loss_by_source: Optional[dict[str, float]] = None
-    final_test_loss_by_source: Optional[dict[str, float]] = None
-    # Why the run stopped before its last step without a signal: "max_wall_time" (resumable),
-    # "diverged" (rewinds used up) or "non-finite steps"; None when it finished, stopped early or was preempted.
-    stop_reason: Optional[str] = None
-    spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes
-    restarts: int = 0  # restarts of the run's failed jobs (restarts.jsonl)
-    hangs: int = 0  # of those failures, the ones a hang watchdog reported
-    rewinds: list[dict] = field(default_factory=list)  # each rewind: steps, checkpoint, skipped batches
-
-
-@dataclass
-class ExperimentRecord:
-    """The research plan's record of one sweep run (docs/research.md): which arm and seed, what it ran,
-    what came out.
-    Written by pretrain.research.sweep before the run starts (status "running") and again when it ends."""
-
-    experiment_id: str  # "<spec>/<arm>/seed<seed>"
-    method: str  # the arm's name
-    seed: int
-    start_time: str
-    model_config: dict
-    training_config: dict
-    # final_train_loss, final_val_loss, final_val_ppl, training_time_hours; empty until the run ends
-    results: dict
-    notes: str
-    status: str  # "running" | "finished" | "failed"
-    exit_code: Optional[int]
-    log_tail: str  # the last lines of the run's log when it failed
-    config_hash: str  # sha256 of the resolved config
-    git_revision: str
-    # The spec's post-training evaluations that ended: name → status ("finished" | "failed"),
-    # exit_code, seconds, log_tail (when failed). Its file evaluations/<name>.json is the result.
-    evaluations: dict = field(default_factory=dict)
 
 
 def _from_json(data: dict) -> Record:
@@ -320,11 +189,11 @@ class RunDir:
 
     @property
     def init_from_weights(self) -> Path:
-        """The imported weights as the run's model holds them (pretrain/checkpoint/init_from.py)."""
+        """The imported weights as the run's model holds them (pretrain/init_from.py)."""
         return self.init_from_dir / "weights.safetensors"
 
     def read_init_from(self) -> Optional[dict]:
-        """The import record of a run that started from other weights (train.init_from), else None."""
+        """The import record of a run that started from other weights (init_from.path), else None."""
         return json.loads(self.init_from_record.read_text()) if self.init_from_record.is_file() else None
 
     def write_init_from(self, record: dict) -> None:
@@ -351,6 +220,24 @@ class RunDir:
 
     def integrity_record_file(self, tag: str) -> Path:
         return self.checkpoint(tag) / "integrity.json"
+
+    def unwritable(self) -> Optional[str]:
+        """Why this process cannot write the run dir, or None. The dir itself and every entry at its
+        top level (each written or appended to by a run) must be writable, or, before it exists, the
+        nearest folder it would be created in. os.access answers for this process's user: root passes
+        permission bits, and nobody passes a read-only mount."""
+        existing = self.path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing == self.path and not self.path.is_dir():
+            return f"run dir {self.path} exists and is not a folder"
+        written = [self.path, *self.path.iterdir()] if existing == self.path else [existing]
+        for path in written:
+            if not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+                return (f"run dir {self.path} cannot be written: {path} is read-only (its permissions, or a read-only "
+                        "file system); the run writes its config, metrics and checkpoints there. Fix that, or use "
+                        "another --run-dir")
+        return None
 
     # ------------------------------------------------------------------ the job's lock
     def acquire_lock(self) -> RunDirLock:
@@ -489,19 +376,17 @@ class RunDir:
                 for name, (_, digest) in expected.items() if file_sha256(root / name) != digest]
 
     # ------------------------------------------------------------------ run files
-    def write_run_files(self, config: dict, ds_config: dict, versions: dict) -> None:
+    def write_config(self, config: dict) -> None:
+        """The config as the run trains it, resolved once before its workers start; they read it back."""
         import yaml
 
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(yaml.safe_dump(config, sort_keys=False))
+        write_text_atomic(self.config, yaml.safe_dump(config, sort_keys=False))
+
+    def write_run_files(self, ds_config: dict, versions: dict) -> None:
+        """What ran the config: DeepSpeed's JSON, the versions and the git revision (rank 0, at every start)."""
         self.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
         self.versions.write_text(json.dumps(versions, indent=2) + "\n")
-
-    def read_config(self):
-        """The run's resolved config as a typed RunConfig."""
-        from pretrain.config import load_run_config
-
-        return load_run_config(str(self.config))
 
     def log_resume(self, entry: dict) -> None:
         """Append one line to resume_log.jsonl (which checkpoint, what was skipped, what changed)."""

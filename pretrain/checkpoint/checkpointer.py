@@ -47,8 +47,8 @@ class TrainState:
     freeze_stage: int = -1  # -1: the attention config's own trainability
     scheduler: dict = field(default_factory=dict)
     train_time_s: float = 0.0  # training-loop wall time of every segment of the run, up to this checkpoint
-    spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes (train.spike_skip)
-    spike_window: dict = field(default_factory=dict)  # the skip-step window (pretrain/runtime/spikes.py)
+    spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes (stability.spike_skip)
+    spike_window: dict = field(default_factory=dict)  # the skip-step window (pretrain/stability.py)
     # [from_step, batches]: from (0-based) step `from_step` on, the data position is that many batches
     # further on (a rewind skipped them); the batches a step reads are those of data_position(step).
     data_skips: list = field(default_factory=list)
@@ -80,7 +80,7 @@ def _size_of(folder: Path) -> int:
 class Checkpointer:
     """Saves at every `save_interval` steps, when `save_interval_s` has passed since the last save,
     and once more at a final step (end of training, early stop, preemption, too many skipped steps,
-    train.max_wall_time) — never twice for the same step."""
+    supervision.max_wall_time) — never twice for the same step."""
 
     def __init__(self, run_dir: RunDir, cfg: CheckpointConfig):
         self.run_dir, self.cfg = run_dir, cfg
@@ -215,7 +215,7 @@ def _set_rng_state(path: Path) -> None:
 
 def restore_frozen_qk(module: torch.nn.Module) -> int:
     """Regenerate frozen Q/K from (seed, layer, role) and check the loaded copy against them (a run
-    that imported its Q/K, train.init_from_qk: imported, restores those: RandomQKVLinear.imported_qk).
+    that imported its Q/K, init_from.qk: imported, restores those: RandomQKVLinear.imported_qk).
 
     Frozen Q/K are a function, not state: whatever a checkpoint path did to them (ZeRO-3 or bf16
     round trips, universal checkpoints that skip module state), the regenerated values win. A
@@ -231,7 +231,7 @@ def restore_frozen_qk(module: torch.nn.Module) -> int:
             expected = linear.local_weight(role)
             with GatheredParameters([param], modifier_rank=0):
                 if not matches_regenerated(param.data, expected):
-                    reference = ("the one imported at the run's start (train.init_from_qk: imported)"
+                    reference = ("the one imported at the run's start (init_from.qk: imported)"
                                  if role in linear.imported_qk else "the one regenerated from model.seed")
                     raise RuntimeError(
                         f"frozen {role.upper()} of layer {linear.layer_number} in the checkpoint differs "

@@ -34,12 +34,12 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from megatron.core import parallel_state
 
 from ora_megatron.attention import RandomQKVLinear, use_imported_qk
-from ora_megatron.model_config import ParallelConfig
+from ora_megatron.model_config import ModelConfig, ParallelConfig
 from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
 from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_specs
 from pretrain.checkpoint.unpickling import check_checkpoint_files, safe_load
-from pretrain.config import RunConfig
+from pretrain.config import RunConfig, TrainConfig, read_run_config
 from pretrain.run_dir import RunDir
 from pretrain.runtime.freeze import trainability
 
@@ -95,22 +95,24 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
     """
     checkpoint_dir = Path(checkpoint_dir)
     check_checkpoint_files(checkpoint_dir)  # zero_to_fp32 unpickles without restriction
-    reference = reference_model(cfg)
+    reference = reference_model(cfg.model)
     use_run_qk(reference, RunDir(checkpoint_dir.parent.parent))
     expected = reference.state_dict()
     tp = cfg.parallel.tensor
-    module = None if cfg.deepspeed.zero_stage == 3 else module_weights(cfg, checkpoint_dir)
-    master = _fp32_master_weights(checkpoint_dir, tp) if _has_fp32_masters(cfg) else None
+    module = None if cfg.deepspeed.zero_stage == 3 else module_weights(cfg.model, cfg.parallel, checkpoint_dir)
+    # ZeRO>=1 keeps fp32 master partitions that zero_to_fp32 reads; it handles PP=1 only.
+    has_masters = cfg.deepspeed.zero_stage >= 1 and cfg.parallel.pipeline == 1
+    master = _fp32_master_weights(checkpoint_dir, tp) if has_masters else None
     if module is None and master is None:
         raise ValueError("ZeRO-3 with pipeline parallelism: DeepSpeed's pipeline engine refuses it, "
                          "so no such checkpoint exists")
 
-    frozen = untrained_qk(cfg, reference, checkpoint_dir)
+    frozen = untrained_qk(cfg.model, cfg.train, reference, checkpoint_dir)
     merged = {}
     for what, per_rank in (("module", module), ("fp32 master", master)):
         if per_rank is not None:
             merged[what] = merge_tensor_parallel(per_rank, reference, what)
-            _check_stored_qk(merged[what], frozen, what, cfg)
+            _check_stored_qk(merged[what], frozen, what, cfg.model)
     state = _assemble(expected, frozen, merged.get("fp32 master", {}), merged.get("module", {}))
     saved_dtype = _saved_dtype(module[0]) if module is not None else None
     return Consolidated(state, FP32_MASTER if master is not None else MODULE, saved_dtype, sorted(frozen))
@@ -137,8 +139,8 @@ def load_trained_model(run_dir, tag: Optional[str] = None) -> TrainedModel:
         raise FileNotFoundError(f"{run.path}: no complete checkpoint (checkpoints/latest is missing)")
     if not run.checkpoint(tag).is_dir():
         raise FileNotFoundError(f"{run.checkpoint(tag)}: no such checkpoint (tags: {run.checkpoint_tags()})")
-    cfg = run.read_config()
-    model = reference_model(cfg)
+    cfg = read_run_config(run)
+    model = reference_model(cfg.model)
     model.load_state_dict(consolidated_state_dict(cfg, run.checkpoint(tag)).state_dict, strict=True)
     return TrainedModel(cfg, tag, model.eval())
 
@@ -162,21 +164,21 @@ def tp1_parallel_state() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def reference_model(cfg: RunConfig) -> StagedGPT:
+def reference_model(model: ModelConfig) -> StagedGPT:
     """The TP=1 model of the config: its keys, shapes, TP attributes and regenerated frozen Q/K.
 
     Building it seeds the torch RNG per stage; the caller's RNG state is restored afterwards.
     """
     with tp1_parallel_state(), torch.random.fork_rng(devices=[]):
-        return build_staged_gpt(cfg.model, ParallelConfig())
+        return build_staged_gpt(model, ParallelConfig())
 
 
 QK_KEY = re.compile(r"layer(\d+)\.layer\.self_attention\.linear_qkv\.([qk])_weight")
 
 
 def imported_qk(run_dir: RunDir) -> dict[tuple[int, str], torch.Tensor]:
-    """(layer, role) → the full Q or K of a run that imported them at its start (train.init_from_qk:
-    imported; pretrain/checkpoint/init_from.py), which are its reference instead of the draw; else {}."""
+    """(layer, role) → the full Q or K of a run that imported them at its start (init_from.qk:
+    imported; pretrain/init_from.py), which are its reference instead of the draw; else {}."""
     record = run_dir.read_init_from()
     if not record or record.get("qk") != "imported":
         return {}
@@ -201,19 +203,20 @@ def use_run_qk(reference: StagedGPT, run_dir: RunDir) -> None:
                     getattr(linear, f"{role}_weight").copy_(linear.local_weight(role))
 
 
-def untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+def untrained_qk(model: ModelConfig, train: TrainConfig, reference: StagedGPT,
+                 checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """Name → regenerated fp32 value of every Q/K that was frozen in every step before the checkpoint.
 
     Those are a function of (seed, layer, role) and are regenerated; a Q/K that was trainable in
     some step (attention.train_q/k, or a freeze-schedule stage) is an ordinary trained weight.
-    The trainer runs step s (0-based) in schedule stage `cfg.train.freeze_stage_at(s)`.
+    The trainer runs step s (0-based) in schedule stage `train.freeze_stage_at(s)`.
     """
     stages = {-1}
-    if cfg.train.freeze_stages:
+    if train.freeze_stages:
         run = RunDir(checkpoint_dir.parent.parent)
         steps_done = run.read_train_state(checkpoint_dir.name)["step"]
-        stages = {cfg.train.freeze_stage_at(s) for s in range(max(steps_done, 1))}
-    flags = [trainability(cfg, index) for index in stages]
+        stages = {train.freeze_stage_at(s) for s in range(max(steps_done, 1))}
+    flags = [trainability(model, train, index) for index in stages]
     frozen = {}
     for prefix, linear in reference.named_modules():
         if isinstance(linear, RandomQKVLinear):
@@ -224,33 +227,28 @@ def untrained_qk(cfg: RunConfig, reference: StagedGPT, checkpoint_dir: Path) -> 
 
 
 # ---------------------------------------------------------------------------- reading the files
-def module_weights(cfg: RunConfig, checkpoint_dir: Path) -> list[StateDict]:
+def module_weights(model: ModelConfig, parallel: ParallelConfig, checkpoint_dir: Path) -> list[StateDict]:
     """Per TP rank, the saved module state dict under the stage names (ZeRO-0/1/2)."""
-    if cfg.parallel.pipeline > 1:
-        return _pipeline_module_weights(cfg, checkpoint_dir)
+    if parallel.pipeline > 1:
+        return _pipeline_module_weights(model, parallel, checkpoint_dir)
     return [safe_load(checkpoint_dir / f"mp_rank_{rank:02d}_model_states.pt")["module"]
-            for rank in range(cfg.parallel.tensor)]
+            for rank in range(parallel.tensor)]
 
 
-def _pipeline_module_weights(cfg: RunConfig, checkpoint_dir: Path) -> list[StateDict]:
+def _pipeline_module_weights(model: ModelConfig, parallel: ParallelConfig, checkpoint_dir: Path) -> list[StateDict]:
     """PP>1: each (stage, TP rank) file holds that stage module's own state dict; prefix the stage
     name. The tied gpt2 output stage has no file (its module is the embedding stage's)."""
-    specs = stage_specs(cfg.model, cfg.parallel)
-    per_rank: list[StateDict] = [{} for _ in range(cfg.parallel.tensor)]
+    specs = stage_specs(model, parallel)
+    per_rank: list[StateDict] = [{} for _ in range(parallel.tensor)]
     files = sorted(checkpoint_dir.glob("layer_*-model_states.pt"))
     if not files:
         raise FileNotFoundError(f"{checkpoint_dir}: no pipeline layer files (layer_NN-model_TT-model_states.pt)")
     for path in files:
         stage, rank = pipeline_layer_file_stage(path, specs)
-        if rank >= cfg.parallel.tensor:
-            raise CheckpointMismatch(f"{path.name}: TP rank {rank}, but parallel.tensor={cfg.parallel.tensor}")
+        if rank >= parallel.tensor:
+            raise CheckpointMismatch(f"{path.name}: TP rank {rank}, but parallel.tensor={parallel.tensor}")
         per_rank[rank].update({f"{stage}.{key}": value for key, value in safe_load(path).items()})
     return per_rank
-
-
-def _has_fp32_masters(cfg: RunConfig) -> bool:
-    """ZeRO>=1 keeps fp32 master partitions that zero_to_fp32 reads; it handles PP=1 only."""
-    return cfg.deepspeed.zero_stage >= 1 and cfg.parallel.pipeline == 1
 
 
 def _fp32_master_weights(checkpoint_dir: Path, tp: int) -> list[StateDict]:
@@ -321,15 +319,15 @@ def _merge_shards(name: str, shards: list[torch.Tensor], param: Optional[torch.n
 
 
 def _check_stored_qk(stored: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], what: str,
-                     cfg: RunConfig) -> None:
+                     model: ModelConfig) -> None:
     """Every stored copy of a frozen Q/K must be the regenerated one (up to an ulp of its dtype)."""
-    att = cfg.model.attention
+    att = model.attention
     for name, regenerated in frozen.items():
         copy = stored.get(name)
         if copy is not None and not matches_regenerated(copy, regenerated):
             raise CheckpointMismatch(
                 f"{name}: the frozen weight stored in the checkpoint ({what} copy) differs from the one "
-                f"regenerated from model.seed={cfg.model.seed}, attention.type={att.type}, "
+                f"regenerated from model.seed={model.seed}, attention.type={att.type}, "
                 f"orthogonal_method={att.orthogonal_method}: the checkpoint was written with a different "
                 "seed or attention config")
 

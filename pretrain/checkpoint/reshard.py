@@ -33,17 +33,17 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero import GatheredParameters
 from megatron.core import parallel_state
 
+from ora_megatron.model_config import ModelConfig, ParallelConfig
 from ora_megatron.stages import owner_names, stage_specs
 from pretrain.checkpoint.consolidate import CheckpointMismatch, merge_tensor_parallel, module_weights, reference_model
 from pretrain.checkpoint.resume_check import ResumeRefused
@@ -54,7 +54,8 @@ from pretrain.checkpoint.zero_files import (
     merged_fragments,
     torch_optimizer_state,
 )
-from pretrain.config import RunConfig, data_parallel_size
+from pretrain.config import RunConfig
+from pretrain.parallel_layout import ParallelLayout
 from pretrain.run_dir import RunDir, write_text_atomic
 from pretrain.runtime.ds_internals import (
     MOMENTS,
@@ -81,37 +82,41 @@ STATES = ("fp32", *MOMENTS)
 class Topology:
     """How a run's processes partition the model and its optimizer state."""
 
-    world_size: int
-    data: int
-    tensor: int
-    pipeline: int
+    layout: ParallelLayout
     zero_stage: int
     precision: str
 
     def __str__(self) -> str:
-        return f"DP{self.data}/TP{self.tensor}/PP{self.pipeline}/ZeRO-{self.zero_stage}"
+        return f"{self.layout}/ZeRO-{self.zero_stage}"
+
+    def to_json(self) -> dict:
+        """topology.json's and meta.json's record (the data-parallel size spelt out, for a reader)."""
+        layout = self.layout
+        return {"world_size": layout.world_size, "data": layout.data, "tensor": layout.tensor,
+                "pipeline": layout.pipeline, "zero_stage": self.zero_stage, "precision": self.precision}
+
+    @classmethod
+    def from_json(cls, record: dict) -> Topology:
+        layout = ParallelLayout(record["world_size"], record["tensor"], record["pipeline"])
+        return cls(layout, record["zero_stage"], record["precision"])
 
 
 def run_topology(cfg: RunConfig, world_size: int) -> Topology:
     """The topology a run with this config and process count trains in."""
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    return Topology(world_size, data_parallel_size(cfg, world_size), tp, pp, cfg.deepspeed.zero_stage,
-                    cfg.deepspeed.precision)
+    return Topology(ParallelLayout.of(cfg.parallel, world_size), cfg.deepspeed.zero_stage, cfg.deepspeed.precision)
 
 
 def engine_topology(train_engine: TrainEngine) -> Topology:
     """The topology of a running engine (every rank gets the same)."""
-    ds_engine, world = train_engine.ds_engine, dist.get_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = ds_engine.num_stages if train_engine.pipelined else 1
+    ds_engine = train_engine.ds_engine
     precision = "bf16" if ds_engine.bfloat16_enabled() else "fp16" if ds_engine.fp16_enabled() else "fp32"
-    return Topology(world, world // (tp * pp), tp, pp, ds_engine.zero_optimization_stage(), precision)
+    return Topology(train_engine.layout, ds_engine.zero_optimization_stage(), precision)
 
 
 # ---------------------------------------------------------------------------- at save (Checkpointer.save)
 def record_topology(run_dir: RunDir, tag: str, topology: Topology) -> None:
     """Rank 0, once the tag's DeepSpeed files exist and before its integrity record."""
-    write_text_atomic(run_dir.topology_file(tag), json.dumps(asdict(topology), indent=1) + "\n")
+    write_text_atomic(run_dir.topology_file(tag), json.dumps(topology.to_json(), indent=1) + "\n")
 
 
 def optimizer_record(train_engine: TrainEngine) -> dict:
@@ -141,7 +146,7 @@ def optimizer_record(train_engine: TrainEngine) -> dict:
 # ---------------------------------------------------------------------------- before the workers start
 def checkpoint_topology(run_dir: RunDir, tag: str) -> Topology:
     """The topology a checkpoint was written with (its topology.json, covered by its integrity record)."""
-    return Topology(**json.loads(run_dir.topology_file(tag).read_text()))
+    return Topology.from_json(json.loads(run_dir.topology_file(tag).read_text()))
 
 
 def converted_dir(run_dir: RunDir, tag: str) -> Path:
@@ -205,19 +210,20 @@ def _unconvertible(source: Topology, target: Topology) -> Optional[str]:
 def convert_checkpoint(run_dir: RunDir, tag: str, cfg: RunConfig, source: Topology) -> int:
     """Write `<tag>/topology_free/` from the tag's DeepSpeed files (one process, no process group of
     the old layout needed); returns the number of parameters. Atomic: built aside, then renamed."""
-    old = replace(cfg, parallel=replace(cfg.parallel, tensor=source.tensor, pipeline=source.pipeline),
+    old = replace(cfg, parallel=replace(cfg.parallel, tensor=source.layout.tensor, pipeline=source.layout.pipeline),
                   deepspeed=replace(cfg.deepspeed, zero_stage=source.zero_stage, precision=source.precision))
-    reference = reference_model(old)
+    reference = reference_model(old.model)
     staging = Path(tempfile.mkdtemp(prefix=f".{tag}-{run_dir.topology_free_dir(tag).name}-", dir=run_dir.checkpoints))
     try:
-        per_rank, steps = _read_states(old, source, run_dir.checkpoint(tag), staging / "fragments", reference)
+        per_rank, steps = _read_states(old.model, old.parallel, source, run_dir.checkpoint(tag),
+                                       staging / "fragments", reference)
         merged = {key: merge_tensor_parallel(per_rank[key], reference, key) for key in STATES}
         shutil.rmtree(staging / "fragments", ignore_errors=True)
         (staging / "params").mkdir()
         for name in merged["fp32"]:
             entry = {key: merged[key][name].float().contiguous() for key in STATES}
             torch.save({**entry, "step": steps[name]}, staging / "params" / f"{name}.pt")
-        meta = {"format": FORMAT_VERSION, "source": asdict(source), "step": run_dir.read_train_state(tag)["step"],
+        meta = {"format": FORMAT_VERSION, "source": source.to_json(), "step": run_dir.read_train_state(tag)["step"],
                 "params": sorted(merged["fp32"])}
         (staging / META).write_text(json.dumps(meta, indent=1) + "\n")
         final = converted_dir(run_dir, tag)
@@ -231,14 +237,14 @@ def convert_checkpoint(run_dir: RunDir, tag: str, cfg: RunConfig, source: Topolo
 StatesPerRank = dict[str, list[dict[str, torch.Tensor]]]
 
 
-def _read_states(cfg: RunConfig, source: Topology, checkpoint: Path, fragments: Path,
+def _read_states(model: ModelConfig, parallel: ParallelConfig, source: Topology, checkpoint: Path, fragments: Path,
                  reference: torch.nn.Module) -> tuple[StatesPerRank, dict[str, int]]:
     """Per state ("fp32", "exp_avg", "exp_avg_sq"), per TP rank, stage name → this rank's shard; and
     each parameter's Adam step."""
     if not has_partitioned_optimizer_files(checkpoint):
-        return _torch_optimizer_states(cfg, checkpoint)
+        return _torch_optimizer_states(model, parallel, checkpoint)
     tp, zero3_steps = extract_zero_fragments(checkpoint, fragments, source.zero_stage)
-    stage_name = _stage_namer(cfg)
+    stage_name = _stage_namer(model, parallel)
     params = dict(reference.named_parameters())
     per_rank: StatesPerRank = {key: [{} for _ in range(tp)] for key in STATES}
     steps = {}
@@ -260,11 +266,12 @@ def _read_states(cfg: RunConfig, source: Topology, checkpoint: Path, fragments: 
     return per_rank, steps
 
 
-def _torch_optimizer_states(cfg: RunConfig, checkpoint: Path) -> tuple[StatesPerRank, dict[str, int]]:
+def _torch_optimizer_states(model: ModelConfig, parallel: ParallelConfig,
+                            checkpoint: Path) -> tuple[StatesPerRank, dict[str, int]]:
     """ZeRO-0: fp32 masters (the weights of the module files in fp32, DeepSpeed's fp32 copies in bf16),
     moments and steps from torch's state dict of each model-parallel rank, named by the checkpoint's
     optimizer record."""
-    module = module_weights(cfg, checkpoint)
+    module = module_weights(model, parallel, checkpoint)
     per_rank: StatesPerRank = {key: [{} for _ in module] for key in STATES}
     steps = {}
     for path in sorted(checkpoint.glob("mp_rank_*_model_states.pt")):
@@ -284,11 +291,11 @@ def _torch_optimizer_states(cfg: RunConfig, checkpoint: Path) -> tuple[StatesPer
     return per_rank, steps
 
 
-def _stage_namer(cfg: RunConfig):
+def _stage_namer(model: ModelConfig, parallel: ParallelConfig):
     """DeepSpeed's parameter name in the checkpoint's assembly → `{stage}.{param}`."""
-    if cfg.parallel.pipeline == 1:
+    if parallel.pipeline == 1:
         return lambda raw: raw
-    specs = stage_specs(cfg.model, cfg.parallel)
+    specs = stage_specs(model, parallel)
     # PipelinedGPT.stage_name reads only these two attributes; the pipeline module itself needs the
     # old layout's process groups.
     names = SimpleNamespace(stage_names=[spec.name for spec in specs], tied_owners=owner_names(specs))

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.config import RunConfig
+from pretrain.config import RunConfig, read_run_config
 from pretrain.run_dir import RunDir, step_of_tag
 
 
@@ -66,10 +66,6 @@ POLICIES: dict[str, Policy] = {
     "train.steps": Policy(True, "the LR schedule keeps the checkpoint's decay horizon"),
     "train.global_batch_size": Policy(False, "step s reads samples [s·G, (s+1)·G), so another G would skip or "
                                              "repeat data (and change what a step means for the LR schedule)"),
-    "train.init_from": Policy(True, "read at a run's first start only: a resume continues from its checkpoint "
-                                    "and imports nothing"),
-    "train.init_from_qk": Policy(True, "read at a run's first start only (the imported Q/K, if chosen, are the "
-                                       "run's: init_from.json)"),
     "train.freeze_schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
                                            "optimizer state holds that stage's trainable parameters"),
     "optimizer": Policy(False, "the LR schedule and AdamW hyperparameters are restored from the checkpoint, "
@@ -82,6 +78,11 @@ POLICIES: dict[str, Policy] = {
                                                  "like any topology change"),
     "logging": SAFE,
     "checkpoint": SAFE,
+    "stability": SAFE,
+    "supervision": SAFE,
+    "faults": SAFE,
+    "init_from": Policy(True, "read at a run's first start only: a resume continues from its checkpoint and imports "
+                              "nothing (imported Q/K, if chosen, are the run's: init_from.json)"),
     **{key: TOPOLOGY for key in TOPOLOGY_KEYS},
 }
 
@@ -207,7 +208,7 @@ def choose_checkpoint(run_dir: RunDir, latest: str) -> tuple[str, dict[str, list
 def check_config(run_dir: RunDir, tag: str, cfg: RunConfig, world_size: int) -> dict[str, tuple[Any, Any]]:
     """The allowed changes between the run's saved config and `cfg`; raises on any refused one."""
     try:
-        saved = run_dir.read_config()
+        saved = read_run_config(run_dir)
     except (ConfigError, OSError, yaml.YAMLError) as e:
         raise ResumeRefused(f"cannot compare with the run's saved config {run_dir.config}: {e}") from None
     changes = differences({**to_dict(saved), WORLD_SIZE_KEY: run_dir.checkpoint_world_size(tag)},

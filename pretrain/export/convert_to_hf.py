@@ -40,6 +40,7 @@ import yaml
 
 from ora_megatron.config_io import to_dict
 from ora_megatron.families import hf_mapping_of
+from ora_megatron.model_config import ModelConfig
 from pretrain.checkpoint.consolidate import (
     FP32_MASTER,
     MODULE,
@@ -49,7 +50,7 @@ from pretrain.checkpoint.consolidate import (
     tp1_parallel_state,
 )
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
-from pretrain.config import RunConfig
+from pretrain.config import DataConfig, RunConfig, read_run_config
 from pretrain.export.export_record import (
     EXPORT_RECORD,
     files_under,
@@ -70,20 +71,20 @@ class ExportError(ValueError):
     """The run cannot be exported (no HF architecture, no checkpoint, ...); nothing was written."""
 
 
-def check_exportable(cfg: RunConfig) -> None:
+def check_exportable(model: ModelConfig) -> None:
     """Refuse, before anything is read or written, what no HF architecture can hold."""
-    if not cfg.model.attention.uses_qk:
-        raise ExportError(f"attention type '{cfg.model.attention.type}' mixes values with an N×N matrix "
+    if not model.attention.uses_qk:
+        raise ExportError(f"attention type '{model.attention.type}' mixes values with an N×N matrix "
                           "(no query/key projection): no Hugging Face architecture holds it")
     try:
-        hf_mapping_of(cfg.model).check_exportable(cfg.model)
+        hf_mapping_of(model).check_exportable(model)
     except ValueError as e:
         raise ExportError(str(e)) from None
 
 
-def hf_weights(cfg: RunConfig, state: dict) -> dict[str, torch.Tensor]:
+def hf_weights(model: ModelConfig, state: dict) -> dict[str, torch.Tensor]:
     """The consolidated state dict under the family's Hugging Face names."""
-    return hf_mapping_of(cfg.model).hf_state_dict(state, cfg.model)
+    return hf_mapping_of(model).hf_state_dict(state, model)
 
 
 def special_token_ids(tokenizer_model: Optional[str]) -> dict:
@@ -98,28 +99,28 @@ def special_token_ids(tokenizer_model: Optional[str]) -> dict:
     return {k: v if v >= 0 else None for k, v in ids.items()}
 
 
-def build_hf_model(cfg: RunConfig, state: dict, tokenizer_model: Optional[str]):
+def build_hf_model(model: ModelConfig, state: dict, tokenizer_model: Optional[str]):
     """A transformers model holding the consolidated weights (fp32); every HF weight is set."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(hf_mapping_of(cfg.model).hf_config(cfg.model))
+    kwargs = dict(hf_mapping_of(model).hf_config(model))
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs, **special_token_ids(tokenizer_model))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(hf_weights(cfg, state), strict=True)
-    return model.eval()
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf_model.load_state_dict(hf_weights(model, state), strict=True)
+    return hf_model.eval()
 
 
-def write_export(cfg: RunConfig, consolidated: Consolidated, out_dir: Path, dtype: str,
+def write_export(model: ModelConfig, consolidated: Consolidated, out_dir: Path, dtype: str,
                  tokenizer_model: Optional[str], card: str) -> None:
     from transformers import GenerationConfig
 
-    model = build_hf_model(cfg, consolidated.state_dict, tokenizer_model)
-    model.to(DTYPES[dtype]).save_pretrained(out_dir, max_shard_size=MAX_SHARD_SIZE, safe_serialization=True)
+    hf_model = build_hf_model(model, consolidated.state_dict, tokenizer_model)
+    hf_model.to(DTYPES[dtype]).save_pretrained(out_dir, max_shard_size=MAX_SHARD_SIZE, safe_serialization=True)
     GenerationConfig(**special_token_ids(tokenizer_model)).save_pretrained(out_dir)
     if tokenizer_model is not None:
         from pretrain.export.hf_tokenizer import export_tokenizer
 
-        export_tokenizer(tokenizer_model, out_dir, model_max_length=cfg.model.seq_length)
+        export_tokenizer(tokenizer_model, out_dir, model_max_length=model.seq_length)
     (out_dir / "README.md").write_text(card)
 
 
@@ -131,7 +132,7 @@ def verification_tokens(cfg: RunConfig, rows: int = 4, random_rows: int = 2) -> 
     small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1, eval_iters=1))
     # megatron-core's dataset builders synchronise through torch.distributed, even alone.
     with tempfile.TemporaryDirectory(prefix="ora-export-data-") as cache, tp1_parallel_state():
-        datasets = build_datasets(small, build_tokenizer(small), Path(cache))
+        datasets = build_datasets(small, build_tokenizer(small.data, small.model.vocab_size), Path(cache))
         dataset = datasets["valid"] or datasets["train"]
         real = [torch.as_tensor(dataset[i % len(dataset)]["tokens"]) for i in range(rows)]
     generator = torch.Generator().manual_seed(0)
@@ -139,12 +140,12 @@ def verification_tokens(cfg: RunConfig, rows: int = 4, random_rows: int = 2) -> 
     return torch.cat([torch.stack(real).long(), noise])
 
 
-def source_logits(cfg: RunConfig, state: dict, tokens: torch.Tensor) -> torch.Tensor:
+def source_logits(model: ModelConfig, state: dict, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of this project's model (TP=1, one process) holding `state`: [b, s, vocab]."""
-    model = reference_model(cfg)
-    model.load_state_dict(state, strict=True)
+    source = reference_model(model)
+    source.load_state_dict(state, strict=True)
     with tp1_parallel_state(), torch.no_grad():
-        return model.eval()(tokens)[..., : cfg.model.vocab_size].float()
+        return source.eval()(tokens)[..., : model.vocab_size].float()
 
 
 def compare_logits(source: torch.Tensor, exported: torch.Tensor) -> dict:
@@ -161,7 +162,7 @@ def verify(cfg: RunConfig, state: dict, out_dir: Path, dtype: str) -> dict:
     tokens = verification_tokens(cfg)
     if dtype != "fp32":  # the export holds the weights rounded once to `dtype`
         state = {k: v.to(DTYPES[dtype]).float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    expected = source_logits(cfg, state, tokens)
+    expected = source_logits(cfg.model, state, tokens)
     exported = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         got = exported(tokens).logits.float()
@@ -189,11 +190,11 @@ def model_card(cfg: RunConfig, run_dir: RunDir, tag: str, consolidated: Consolid
         + (f" ({att.orthogonal_method})" if att.type == "ora" else "") + ".", "",
         "## Training", "",
         f"- steps: {state['step']:,} ({state['skipped_steps']} skipped), tokens seen: {state['tokens_seen']:,}",
-        f"- data: {data_description(cfg)}",
+        f"- data: {data_description(cfg.data)}",
         f"- final validation loss: {valid[-1].loss:.4f} (step {valid[-1].step})" if valid else "- no validation",
         f"- test loss: {test[-1].loss:.4f}" if test else "- no test evaluation at this checkpoint",
         f"- weights: {WEIGHT_SOURCES[consolidated.source]}, consolidated to fp32 from the DeepSpeed checkpoint",
-        *([f"- started from the weights of {imported['source']} (train.init_from)"] if imported else []),
+        *([f"- started from the weights of {imported['source']} (init_from.path)"] if imported else []),
         "", "## Frozen Q/K", "",
     ]
     if frozen:
@@ -213,8 +214,7 @@ def model_card(cfg: RunConfig, run_dir: RunDir, tag: str, consolidated: Consolid
     return "\n".join(lines)
 
 
-def data_description(cfg: RunConfig) -> str:
-    data = cfg.data
+def data_description(data: DataConfig) -> str:
     if data.mock:
         return "megatron-core mock data (random tokens)"
     if data.manifest:
@@ -267,8 +267,8 @@ def export(run_dir: RunDir, output: Path, tag: Optional[str] = None, dtype: str 
     from pretrain.runtime.data import tokenizer_path
 
     paths = check_output(output, run_dir.path, force)
-    cfg = run_dir.read_config()
-    check_exportable(cfg)
+    cfg = read_run_config(run_dir)
+    check_exportable(cfg.model)
     tag = tag or run_dir.latest_checkpoint()
     if tag is None or not run_dir.checkpoint(tag).is_dir():
         raise ExportError(f"{run_dir.path}: no checkpoint {tag or '(latest)'} to export")
@@ -277,7 +277,7 @@ def export(run_dir: RunDir, output: Path, tag: Optional[str] = None, dtype: str 
     paths.partial.mkdir(parents=True)
     record = {"run_dir": str(run_dir.path.resolve()), "checkpoint": tag, "dtype": dtype, "files": []}
     write_export_record(paths.partial, record)  # first, so that a DIR.partial left behind is recognisably ours
-    write_export(cfg, consolidated, paths.partial, dtype, tokenizer_path(cfg),
+    write_export(cfg.model, consolidated, paths.partial, dtype, tokenizer_path(cfg.data),
                  model_card(cfg, run_dir, tag, consolidated))
     figures = verify(cfg, consolidated.state_dict, paths.partial, dtype) if verify_export else None
     record.update(verification=figures, files=sorted(files_under(paths.partial) - {EXPORT_RECORD}))

@@ -26,7 +26,7 @@ script (ORA_CALLER_DIR, set by the script; else the current directory).
 The launch then supervises DeepSpeed's launcher (pretrain/supervision.py), on every node that runs
 this script: when a rank fails (a crash, a kill, a hang its watchdog reports, a collective timeout),
 the node's processes are killed and DeepSpeed's launcher starts again, resuming from the latest intact
-checkpoint, as train.max_restarts allows; SIGTERM, SIGINT or SIGUSR1 make the workers save and stop.
+checkpoint, as supervision.max_restarts allows; SIGTERM, SIGINT or SIGUSR1 make the workers save and stop.
 In NODE_RANK mode each node restarts its own ranks; a failed rank makes the others fail (a collective
 error, or their watchdogs), so every node restarts, and the ranks meet again at MASTER_ADDR.
 
@@ -46,26 +46,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import Mapping, Optional
 
+from ora_megatron.config_io import ConfigError
 from pretrain.environment import device_environment
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
-from pretrain.paths import REPO, preset_names, preset_path
+from pretrain.paths import ENTRY_MODULE, REPO, preset_names, preset_path
 from pretrain.run_dir import RunDir
-from pretrain.supervision import (
-    ATTEMPT_VARIABLE,
-    JOB_START_VARIABLE,
-    SUPERVISOR_VARIABLE,
-    Attempt,
-    RestartPolicy,
-    Supervisor,
-    become_subreaper,
-)
+from pretrain.start import Start, check_start, parse_args
+from pretrain.supervision import ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE, Attempt, supervise
 
-if TYPE_CHECKING:
-    from pretrain.pretrain_ora import Start
-
-ENTRY = ["--module", "pretrain.pretrain_ora"]  # run from the repository root
+ENTRY = ["--module", ENTRY_MODULE]  # run from the repository root
 # DeepSpeed's SLURM backend runs `python -u SCRIPT` and has no --module (multinode_runner.py,
 # SlurmRunner): it gets the entry's file, which puts the repository first on sys.path itself.
 ENTRY_FILE = ["pretrain/pretrain_ora.py"]
@@ -86,6 +77,13 @@ PDSH_PLAIN = re.compile(r"[-A-Za-z0-9_@%+=:,./]*")
 PDSH_SPACED = re.compile(r"[-A-Za-z0-9_@%+=:,./ ]*")
 # pdsh puts a forwarded value in double quotes in a remote shell command line.
 UNSAFE_TO_FORWARD = re.compile(r'[\n$`"\\]')
+# DeepSpeed's OpenMPI and SLURM backends start every rank themselves (mpirun, srun) and leave the
+# torch variables to deepspeed.init_distributed's MPI discovery, which the training entry does not use;
+# the environment file names the scheduler in ORA_RANKS_FROM (with MASTER_ADDR and MASTER_PORT).
+SCHEDULER_RANK_VARIABLES = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+}
 
 
 class LaunchError(Exception):
@@ -93,8 +91,8 @@ class LaunchError(Exception):
 
 
 @dataclass(frozen=True)
-class Topology:
-    """The launch variables, checked."""
+class Cluster:
+    """The nodes and processes the launch variables ask for, checked."""
 
     nnodes: int
     gpus_per_node: int
@@ -154,7 +152,7 @@ def config_path(name: str, env: Environment) -> str:
     raise LaunchError(f"'{name}' is neither a preset ({' '.join(preset_names())}) nor a YAML file")
 
 
-def read_topology(env: Environment) -> Topology:
+def read_cluster(env: Environment) -> Cluster:
     nnodes = env.count("NNODES", 1, 1)
     master_port = env.count("MASTER_PORT", 29500, 1)
     launcher = env.get("LAUNCHER") or "pdsh"
@@ -177,7 +175,7 @@ def read_topology(env: Environment) -> Topology:
     if launcher != "pdsh" and master_addr is None:
         raise LaunchError(f"LAUNCHER={launcher} needs MASTER_ADDR: the first host's address (rank 0 runs there)")
     requested = env.count("GPUS_PER_NODE", None, 1)
-    return Topology(nnodes, processes_per_node(env, hostfile, nnodes, requested, launcher), master_port, launcher,
+    return Cluster(nnodes, processes_per_node(env, hostfile, nnodes, requested, launcher), master_port, launcher,
                     launcher_named, hostfile, node_rank, master_addr)
 
 
@@ -221,17 +219,6 @@ def refuse_shell_syntax_for_pdsh(entry_args: list[str], env: Environment) -> Non
                               "would read: move the value into the YAML config, or use NODE_RANK")
 
 
-def check_config(entry_args: list[str], world_size: int) -> Start:
-    """The training entry's own check for this many processes (config, data, resume, the run
-    dir's lock): LaunchError on a problem; returns the checked start (config, run dir)."""
-    from pretrain.pretrain_ora import check_launch
-
-    try:
-        return check_launch(entry_args, world_size)
-    except ValueError as e:
-        raise LaunchError(str(e)) from e
-
-
 # ------------------------------------------------------------------ the command
 def entry_arguments(config: str, run_dir: Optional[Path], args: list[str], env: Environment) -> list[str]:
     """The training entry's arguments: config, run dir (when known), the variables, the user's."""
@@ -249,47 +236,47 @@ def entry_arguments(config: str, run_dir: Optional[Path], args: list[str], env: 
     return entry + args
 
 
-def deepspeed_command(topology: Topology, entry_args: list[str], env: Environment) -> list[str]:
+def deepspeed_command(cluster: Cluster, entry_args: list[str], env: Environment) -> list[str]:
     command = ["deepspeed"]
-    if topology.hostfile is not None:
-        command += ["--hostfile", str(topology.hostfile)]
-        if topology.launcher != "openmpi":
-            command += ["--num_nodes", str(topology.nnodes), "--num_gpus", str(topology.gpus_per_node)]
+    if cluster.hostfile is not None:
+        command += ["--hostfile", str(cluster.hostfile)]
+        if cluster.launcher != "openmpi":
+            command += ["--num_nodes", str(cluster.nnodes), "--num_gpus", str(cluster.gpus_per_node)]
     elif env.get("CUDA_VISIBLE_DEVICES") is not None:
         # DeepSpeed ignores CUDA_VISIBLE_DEVICES when given --num_gpus and uses devices 0..N-1.
         visible = visible_devices(env)
-        if topology.gpus_per_node > len(visible):
-            raise LaunchError(f"GPUS_PER_NODE={topology.gpus_per_node} but CUDA_VISIBLE_DEVICES lists "
+        if cluster.gpus_per_node > len(visible):
+            raise LaunchError(f"GPUS_PER_NODE={cluster.gpus_per_node} but CUDA_VISIBLE_DEVICES lists "
                               f"{len(visible)} devices")
-        command += ["--include", "localhost:" + ",".join(visible[:topology.gpus_per_node])]
+        command += ["--include", "localhost:" + ",".join(visible[:cluster.gpus_per_node])]
     else:
-        command += ["--num_gpus", str(topology.gpus_per_node)]
-    if topology.node_rank is not None:
-        command += ["--no_ssh", "--node_rank", str(topology.node_rank)]
-    if topology.master_addr is not None:
-        command += ["--master_addr", topology.master_addr]
-    command += ["--master_port", str(topology.master_port)]
-    if topology.launcher_named:
-        command += ["--launcher", topology.launcher]
-    if topology.launcher == "slurm":
+        command += ["--num_gpus", str(cluster.gpus_per_node)]
+    if cluster.node_rank is not None:
+        command += ["--no_ssh", "--node_rank", str(cluster.node_rank)]
+    if cluster.master_addr is not None:
+        command += ["--master_addr", cluster.master_addr]
+    command += ["--master_port", str(cluster.master_port)]
+    if cluster.launcher_named:
+        command += ["--launcher", cluster.launcher]
+    if cluster.launcher == "slurm":
         # srun reaches the nodes through SLURM; DeepSpeed's ssh check of the first host would only
         # fail where a cluster allows no ssh between nodes.
         command.append("--no_ssh_check")
-    return command + [*(ENTRY_FILE if topology.launcher == "slurm" else ENTRY), *entry_args]
+    return command + [*(ENTRY_FILE if cluster.launcher == "slurm" else ENTRY), *entry_args]
 
 
-def environment_file_lines(topology: Topology, env: Environment) -> list[str]:
+def environment_file_lines(cluster: Cluster, env: Environment) -> list[str]:
     """What DeepSpeed forwards to the other nodes besides NCCL*, PYTHON*, UCX*, MV2* and MLFLOW*
     (runner.py, EXPORT_ENVS): the lines of its environment file, read from ~ and . under the name
     DS_ENV_FILE (default .deepspeed_env). An absolute DS_ENV_FILE is read from where it is (the
     name is os.path.join-ed to both), so ours lives in the run dir; the user's own files follow it,
     and later lines win, as in DeepSpeed."""
     assignments = [f"{name}={env.get(name)}" for name in FORWARDED if env.get(name) is not None]
-    if topology.launcher != "pdsh":
+    if cluster.launcher != "pdsh":
         # mpirun and srun start the ranks without DeepSpeed's per-node launcher, which would set the
         # torch variables: the training entry takes the ranks from the scheduler, the address from here.
-        assignments += [f"ORA_RANKS_FROM={topology.launcher}", f"MASTER_ADDR={topology.master_addr}",
-                        f"MASTER_PORT={topology.master_port}"]
+        assignments += [f"ORA_RANKS_FROM={cluster.launcher}", f"MASTER_ADDR={cluster.master_addr}",
+                        f"MASTER_PORT={cluster.master_port}"]
     for assignment in assignments:
         if UNSAFE_TO_FORWARD.search(assignment):
             raise LaunchError(f"cannot forward {assignment.split('=', 1)[0]} to the other nodes: its value has a "
@@ -326,31 +313,49 @@ def split_config_argument(args: list[str], env: Environment) -> tuple[str, list[
 
 def run_worker(args: list[str], env: Environment) -> int:
     """As DeepSpeed's worker (deepspeed --no_python ... launch/pretrain_ora.sh ...): train."""
-    from pretrain.pretrain_ora import main as train
+    from pretrain.training.worker import launched_worker  # the training stack: only in a worker
 
     if args and args[0].startswith("--local_rank="):
         args = args[1:]
     config, rest = split_config_argument(args, env)
-    return train(entry_arguments(config, env.path("RUN_DIR"), rest, env))
+    return launched_worker(parse_args(entry_arguments(config, env.path("RUN_DIR"), rest, env)))
+
+
+def adopt_scheduler_ranks(environ=os.environ) -> None:
+    """In a rank: RANK, WORLD_SIZE, LOCAL_RANK from the scheduler ORA_RANKS_FROM names, unless already set."""
+    scheduler = environ.get("ORA_RANKS_FROM")
+    if scheduler is None or "WORLD_SIZE" in environ:
+        return
+    if scheduler not in SCHEDULER_RANK_VARIABLES:
+        raise ConfigError("ORA_RANKS_FROM", f"expected one of {list(SCHEDULER_RANK_VARIABLES)}, got {scheduler!r}")
+    names = SCHEDULER_RANK_VARIABLES[scheduler]
+    missing = [name for name in names if name not in environ]
+    if missing:
+        raise ConfigError("ORA_RANKS_FROM", f"{scheduler} ranks need {', '.join(missing)} in the environment")
+    rank, size, local_rank = (environ[name] for name in names)
+    environ.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local_rank)
 
 
 def launch(args: list[str], env: Environment) -> int:
     """Check everything, print the deepspeed command, exec it (DRY_RUN: print only)."""
     config, rest = split_config_argument(args, env)
-    topology = read_topology(env)
+    cluster = read_cluster(env)
     entry_args = entry_arguments(config, env.path("RUN_DIR"), rest, env)
-    if topology.starts_other_nodes and topology.launcher == "pdsh":
+    if cluster.starts_other_nodes and cluster.launcher == "pdsh":
         refuse_shell_syntax_for_pdsh(entry_args, env)
-    start = check_config(entry_args, topology.world_size)
+    try:  # the training entry's own check for this many processes (config, data, resume, the run dir's lock)
+        start = check_start(entry_args, cluster.world_size)
+    except ValueError as e:
+        raise LaunchError(str(e)) from e
     run_dir = start.run_dir
     entry_args = entry_arguments(config, run_dir, rest, env)
     variables = {name: env.environ[name] for name in ("NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
-    variables.update(device_environment(start.cfg))
+    variables.update(device_environment(start.cfg.parallel))
     env_file = environment = None
-    if topology.starts_other_nodes:
-        env_file, environment = run_dir / "deepspeed_env", environment_file_lines(topology, env)
+    if cluster.starts_other_nodes:
+        env_file, environment = run_dir / "deepspeed_env", environment_file_lines(cluster, env)
         variables["DS_ENV_FILE"] = str(env_file)
-    command = deepspeed_command(topology, entry_args, env)
+    command = deepspeed_command(cluster, entry_args, env)
     if (env.get("DRY_RUN") or "0") != "0":
         if env_file is not None:
             print(f"would write {env_file}:\n" + "\n".join(environment), file=sys.stderr)
@@ -362,24 +367,18 @@ def launch(args: list[str], env: Environment) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         env_file.write_text("\n".join(environment) + "\n")
     print(printed_command(command, variables), flush=True)
-    return supervise(command, {**env.environ, **variables}, start, topology)
+    return supervise_deepspeed(command, {**env.environ, **variables}, start, cluster)
 
 
-def supervise(command: list[str], environment: dict[str, str], start: Start, topology: Topology) -> int:
-    """Run DeepSpeed's launcher until the run ends, restarting it after a failure (train.max_restarts)."""
-    from pretrain.pretrain_ora import FINAL, STATUS_NAMES, run_ended
-
-    train, run_dir = start.cfg.train, RunDir(start.run_dir)
+def supervise_deepspeed(command: list[str], environment: dict[str, str], start: Start, cluster: Cluster) -> int:
+    """Run DeepSpeed's launcher until the run ends, restarting it after a failure (supervision.max_restarts)."""
 
     def launch(attempt: int) -> Attempt:
         supervised = {name: os.environ[name] for name in (ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE)}
         process = subprocess.Popen(command, env={**environment, **supervised})
         return Attempt(process.wait())
 
-    become_subreaper()
-    supervisor = Supervisor(run_dir, RestartPolicy(train.max_restarts, train.restart_backoff_s, FINAL), launch,
-                            ended=lambda: run_ended(run_dir), status_names=STATUS_NAMES, node_rank=topology.node_rank)
-    return supervisor.run()
+    return supervise(RunDir(start.run_dir), start.cfg.supervision, launch, node_rank=cluster.node_rank)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -388,7 +387,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(__doc__)
         return 0
     environ = os.environ
-    environ.setdefault(JOB_START_VARIABLE, repr(time.time()))  # for the workers of every node (train.max_wall_time)
+    # For the workers of every node (supervision.max_wall_time).
+    environ.setdefault(JOB_START_VARIABLE, repr(time.time()))
     env = Environment(environ, Path(environ.get("ORA_CALLER_DIR") or os.getcwd()))
     os.chdir(REPO)
     set_nccl_defaults(environ)

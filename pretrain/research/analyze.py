@@ -305,7 +305,7 @@ def validation_tokens(cfg: RunConfig, count: int) -> tuple[torch.Tensor, str]:
     sized = dataclasses.replace(cfg, train=train)
     # megatron-core's dataset builders synchronise through torch.distributed, even alone.
     with tempfile.TemporaryDirectory(prefix="ora-analyze-data-") as cache, tp1_parallel_state():
-        datasets = build_datasets(sized, build_tokenizer(sized), Path(cache))
+        datasets = build_datasets(sized, build_tokenizer(sized.data, sized.model.vocab_size), Path(cache))
         split = "valid" if datasets["valid"] is not None else "train"
         samples = [torch.as_tensor(datasets[split][i]["tokens"]) for i in range(rows)]
     return torch.stack(samples).long(), split

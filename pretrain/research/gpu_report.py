@@ -237,7 +237,7 @@ def profile_arm(preset: str, arm: str, steps: int, sets: list[str], trace: Path)
 
     cfg, grad_accum = arm_config(preset, sets, arm)
     runner = Arm(arm, cfg, grad_accum, build_engine(cfg, grad_accum))
-    batches = synthetic_batches(cfg, count=4)
+    batches = synthetic_batches(cfg.model, cfg.train.micro_batch_size, count=4)
     for step in range(PROFILE_WARMUP):
         runner.train_step(batches, step)
     return profiled(lambda index: runner.train_step(batches, PROFILE_WARMUP + index), steps, trace)

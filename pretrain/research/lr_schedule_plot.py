@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.config import RunConfig, load_run_config
+from pretrain.config import OptimizerConfig, RunConfig, load_run_config
 from pretrain.extras import needs_extra
 from pretrain.paths import preset_path
 from pretrain.runtime.optimizer import lr_scheduler
@@ -50,8 +50,7 @@ def schedule(cfg: RunConfig, stride: int = 100) -> tuple[list[int], list[float]]
     return steps, lrs
 
 
-def describe(name: str, cfg: RunConfig) -> str:
-    opt = cfg.optimizer
+def describe(name: str, opt: OptimizerConfig) -> str:
     shape = opt.decay_style
     if shape == "cosine_restarts":
         shape += f", cycles of {opt.restart_cycle_steps:,} steps, peak × {opt.restart_peak_decay:g} per cycle"
@@ -67,7 +66,7 @@ def plot(names: list[str], out: Path, stride: int = 100) -> Path:
     axes = figure.subplots()
     for name in names:
         cfg = preset_config(name)
-        axes.plot(*schedule(cfg, stride), label=describe(name, cfg))
+        axes.plot(*schedule(cfg, stride), label=describe(name, cfg.optimizer))
     axes.set(xlabel="step", ylabel="learning rate", title="Learning-rate schedules of the presets (and WSD)")
     axes.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     figure.legend(loc="outside lower center")  # below the axes: the curves start at the top left

@@ -40,11 +40,12 @@ import torch
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.builder import padded_vocab_size
-from ora_megatron.cross_entropy import LOGITS_CHUNK_BYTES
+from ora_megatron.cross_entropy import chunk_tokens
 from ora_megatron.families import family_of
-from ora_megatron.model_config import ModelConfig
+from ora_megatron.model_config import ModelConfig, ParallelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, data_parallel_size, for_world, validate_for_world
+from pretrain.config import RunConfig, TrainConfig, for_world, validate_for_world
+from pretrain.parallel_layout import ParallelLayout
 from pretrain.runtime.ds_config import deepspeed_config, fp32_grad_accumulation
 from pretrain.runtime.optimizer import param_groups
 
@@ -69,10 +70,7 @@ ZERO12_ALIGNMENT = 2
 class Layout:
     """How the run is laid out over the GPUs (the config after flags, checked for the world size)."""
 
-    world_size: int
-    tensor: int
-    pipeline: int
-    data: int
+    parallel: ParallelLayout
     zero_stage: int
     precision: str
     micro_batch_size: int
@@ -88,6 +86,11 @@ class Layout:
     def mixed(self) -> bool:
         return self.precision != "fp32"
 
+    def to_json(self) -> dict:
+        """The plan's record: the parallel sizes (data spelt out) beside the rest, in one mapping."""
+        fields = dataclasses.asdict(self)
+        return {**fields.pop("parallel"), "data": self.parallel.data, **fields}
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -99,27 +102,27 @@ class Shard:
 
 
 # ------------------------------------------------------------------ the parameters each stage holds
-def _apply_most_trainable_freeze_stage(cfg: RunConfig, model: torch.nn.Module) -> None:
+def _apply_most_trainable_freeze_stage(config: ModelConfig, train: TrainConfig, model: torch.nn.Module) -> None:
     """With a freeze schedule, take the stage with the most trainable Q/K: the one holding the most."""
     from pretrain.runtime.freeze import trainability
 
-    stages = cfg.train.freeze_stages
+    stages = train.freeze_stages
     if not stages:
         return
     indices = list(range(len(stages))) + ([-1] if stages[0].start > 0 else [])
-    flags = max((trainability(cfg, i) for i in indices), key=lambda t: sum(t.values()))
+    flags = max((trainability(config, train, i) for i in indices), key=lambda t: sum(t.values()))
     for linear in (m for m in model.modules() if isinstance(m, RandomQKVLinear)):
         for role in ("q", "k"):
             getattr(linear, f"{role}_weight").requires_grad_(flags[(linear.layer_number, role)])
 
 
-def pipeline_stages(cfg: RunConfig) -> list[list[StageSpec]]:
+def pipeline_stages(model: ModelConfig, parallel: ParallelConfig) -> list[list[StageSpec]]:
     """The stage list cut as DeepSpeed's partition_method="type:DecoderLayerStage" cuts it: layers
     balanced over the pipeline, the embedding on the first stage, final norm and output on the last."""
     from deepspeed.runtime.utils import partition_balanced
 
-    specs = stage_specs(cfg.model, cfg.parallel)
-    parts = partition_balanced([int(spec.cls is DecoderLayerStage) for spec in specs], cfg.parallel.pipeline)
+    specs = stage_specs(model, parallel)
+    parts = partition_balanced([int(spec.cls is DecoderLayerStage) for spec in specs], parallel.pipeline)
     return [specs[first:last] for first, last in zip(parts[:-1], parts[1:])]
 
 
@@ -133,7 +136,7 @@ def stage_shards(cfg: RunConfig, stages: list[list[StageSpec]]) -> list[list[Sha
     tp = cfg.parallel.tensor
     with torch.device("meta"):
         model = build_staged_gpt(cfg.model, dataclasses.replace(cfg.parallel, tensor=1, pipeline=1))
-    _apply_most_trainable_freeze_stage(cfg, model)
+    _apply_most_trainable_freeze_stage(cfg.model, cfg.train, model)
     group_of = {id(p): g["name"] for g in param_groups(model, cfg.optimizer.weight_decay) for p in g["params"]}
     owners = owner_names([spec for stage in stages for spec in stage])
 
@@ -187,8 +190,8 @@ def optimizer_elements(shards: list[Shard], layout: Layout) -> int:
     if layout.zero_stage == 0:
         return sum(trainable)
     if layout.zero_stage == 3:
-        return zero3_partition(trainable, layout.data)
-    return sum(zero12_partition(sum(numels), layout.data) for numels in _groups(shards).values())
+        return zero3_partition(trainable, layout.parallel.data)
+    return sum(zero12_partition(sum(numels), layout.parallel.data) for numels in _groups(shards).values())
 
 
 def largest_stepped_group(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfig) -> int:
@@ -198,8 +201,8 @@ def largest_stepped_group(shards: list[Shard], layout: Layout, zero: DeepSpeedZe
     if layout.zero_stage == 0:
         return max((sum(n) for n in groups), default=0)
     if layout.zero_stage == 3:
-        return max((min(zero3_partition(n, layout.data), zero.sub_group_size) for n in groups), default=0)
-    return max((zero12_partition(sum(n), layout.data) for n in groups), default=0)
+        return max((min(zero3_partition(n, layout.parallel.data), zero.sub_group_size) for n in groups), default=0)
+    return max((zero12_partition(sum(n), layout.parallel.data) for n in groups), default=0)
 
 
 def gradient_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfig) -> int:
@@ -212,7 +215,7 @@ def gradient_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfi
     full gradients between boundaries (it reduces only at the boundary). bf16 ZeRO-2/3 with gradient
     accumulation keep their buffer in fp32.
     """
-    e, dp, trainable = layout.dtype_bytes, layout.data, sum(s.numel for s in shards if s.trainable)
+    e, dp, trainable = layout.dtype_bytes, layout.parallel.data, sum(s.numel for s in shards if s.trainable)
     if layout.zero_stage == 0:
         return e * trainable + (FP32 * trainable if layout.mixed else 0)
     if layout.zero_stage == 3:
@@ -227,7 +230,7 @@ def gradient_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfi
 
 
 def model_state_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZeroConfig) -> dict[str, int]:
-    e, dp = layout.dtype_bytes, layout.data
+    e, dp = layout.dtype_bytes, layout.parallel.data
     numels = [s.numel for s in shards]
     weights = e * (zero3_partition(numels, dp) if layout.zero_stage == 3 else sum(numels))
     stepped = optimizer_elements(shards, layout)
@@ -248,7 +251,7 @@ def deepspeed_buffer_bytes(shards: list[Shard], layout: Layout, zero: DeepSpeedZ
     out = {"adam_sqrt_v_temporary": FP32 * largest_stepped_group(shards, layout, zero)}
     if layout.zero_stage == 0:
         # The engine all-reduces gradients through flat buckets of up to 5e8 elements.
-        if layout.data > 1:
+        if layout.parallel.data > 1:
             out["allreduce_bucket"] = e * min(trainable, MEMORY_OPT_ALLREDUCE_SIZE)
         return out
     if zero.contiguous_gradients:
@@ -274,7 +277,7 @@ def layer_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, devi
     RoPE's rotated Q/K (llama).
     On CPU (the tests) dropout keeps a mask of the training dtype and norm statistics are in it too.
     """
-    e, tp, h = layout.dtype_bytes, layout.tensor, model.hidden_size
+    e, tp, h = layout.dtype_bytes, layout.parallel.tensor, model.hidden_size
     q_width, kv_width = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
     family = family_of(model)
     split = q_width + 2 * kv_width + q_width + family.mlp_matrices * model.ffn_size  # Q, K, V, out, MLP
@@ -309,25 +312,29 @@ def head_activation_bytes(model: ModelConfig, tokens: int, layout: Layout, first
             out += (tokens + padded_vocab_size(model)) * h * e
         else:
             out += tokens * e * h  # the norm's output: the output layer's input
-            out += tokens * padded_vocab_size(model) // layout.tensor * FP32
+            out += tokens * padded_vocab_size(model) // layout.parallel.tensor * FP32
             out += tokens * (1 + 8 + FP32) + FP32  # cross entropy's target mask and targets, loss mask, normaliser
     return out
 
 
 def fused_loss(layout: Layout) -> bool:
     """The plain model at TP 1 fuses the output projection with the loss (ora_megatron.cross_entropy)."""
-    return layout.pipeline == 1 and layout.tensor == 1
+    return layout.parallel.pipeline == 1 and layout.parallel.tensor == 1
 
 
-def logits_transient_bytes(model: ModelConfig, tokens: int, layout: Layout) -> int:
+def logits_transient_bytes(model: ModelConfig, tokens: int, layout: Layout, device: str = "cuda") -> int:
     """The logits in the training dtype, alive beside the fp32 softmax while the loss is computed
     (and their gradient beside it at the start of backward): e·s·b·V/tp on the last stage. The fused
-    loss holds one chunk of fp32 logits and their gradient, and the fp32 sum of the weight gradient."""
+    loss holds one chunk of logits, overwritten by their gradient, and the fp32 sum of the weight
+    gradient; on CPU (its eager chunks) an fp32 copy of the chunk beside the logits, on a GPU (its
+    compiled chunks) none."""
     vocab = padded_vocab_size(model)
-    if fused_loss(layout):
-        chunk = min(tokens, max(1, LOGITS_CHUNK_BYTES // (FP32 * vocab)))
-        return chunk * vocab * (FP32 + layout.dtype_bytes) + vocab * model.hidden_size * FP32
-    return tokens * vocab // layout.tensor * layout.dtype_bytes
+    if not fused_loss(layout):
+        return tokens * vocab // layout.parallel.tensor * layout.dtype_bytes
+    e = layout.dtype_bytes
+    held = e if device == "cuda" else FP32 + e
+    chunk = min(tokens, chunk_tokens(vocab, e if device == "cuda" else FP32))
+    return chunk * vocab * held + vocab * model.hidden_size * FP32
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, layers: int, first: bool, last: bool,
@@ -340,7 +347,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, layers: int, first: boo
     tokens = layout.micro_batch_size * model.seq_length
     per_layer = layer_activation_bytes(model, tokens, layout, device)
     head = head_activation_bytes(model, tokens, layout, first, last, device)
-    transient = logits_transient_bytes(model, tokens, layout) if last else 0
+    transient = logits_transient_bytes(model, tokens, layout, device) if last else 0
     if not checkpointing:
         return in_flight * (layers * per_layer + head) + transient
     return in_flight * (layers * layout.dtype_bytes * tokens * model.hidden_size + head) + per_layer + transient
@@ -349,7 +356,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, layers: int, first: boo
 ACTIVATION_FORMULA = (
     "Korthikanti et al. 2022 without the a·s² terms (torch SDPA): per layer s·b·(16·h·e + 2·h) bytes "
     "(MHA, FFN 4h, TP 1) + fp32 log-sum-exp 4·a·s·b; last stage + fp32 softmax 4·s·b·V and the logits e·s·b·V "
-    "(at TP 1 without a pipeline, the fused loss: e·(s·b + V)·h and one chunk of logits); "
+    "(at TP 1 without a pipeline, the fused loss: e·(s·b + V)·h and one chunk of logits, on a GPU in e bytes); "
     "checkpointing: e·s·b·h per layer + one layer recomputed")
 
 
@@ -368,7 +375,7 @@ def activation_caveats(model: ModelConfig) -> list[str]:
 
 def in_flight_micro_batches(stage: int, layout: Layout) -> int:
     """DeepSpeed's 1F1B schedule keeps min(stages − stage, micro-batches) forwards in flight (TrainSchedule)."""
-    return 1 if layout.pipeline == 1 else min(layout.pipeline - stage, layout.grad_accum)
+    return 1 if layout.parallel.pipeline == 1 else min(layout.parallel.pipeline - stage, layout.grad_accum)
 
 
 # ------------------------------------------------------------------ the plan
@@ -376,12 +383,11 @@ def layout_of(cfg: RunConfig, world_size: int) -> Layout:
     """The run's layout; config errors (naming the key) when the world size does not fit it."""
     grad_accum = validate_for_world(cfg, world_size)
     cfg = for_world(cfg, world_size)
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    return Layout(world_size=world_size, tensor=tp, pipeline=pp, data=data_parallel_size(cfg, world_size),
+    return Layout(parallel=ParallelLayout.of(cfg.parallel, world_size),
                   zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
                   micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum,
                   activation_checkpointing=cfg.train.activation_checkpointing,
-                  fp32_grad_accumulation=fp32_grad_accumulation(cfg, grad_accum))
+                  fp32_grad_accumulation=fp32_grad_accumulation(cfg.deepspeed, grad_accum))
 
 
 def zero_config(cfg: RunConfig, layout: Layout) -> DeepSpeedZeroConfig:
@@ -391,12 +397,12 @@ def zero_config(cfg: RunConfig, layout: Layout) -> DeepSpeedZeroConfig:
     return DeepSpeedZeroConfig(**deepspeed_config(cfg, layout.grad_accum)["zero_optimization"])
 
 
-def stage_plan(cfg: RunConfig, layout: Layout, zero: DeepSpeedZeroConfig, stage: int, specs: list[StageSpec],
+def stage_plan(model: ModelConfig, layout: Layout, zero: DeepSpeedZeroConfig, stage: int, specs: list[StageSpec],
                shards: list[Shard], gpu_memory_bytes: int) -> dict:
     layers = sum(spec.cls is DecoderLayerStage for spec in specs)
-    first, last = stage == 0, stage == layout.pipeline - 1
+    first, last = stage == 0, stage == layout.parallel.pipeline - 1
     in_flight = in_flight_micro_batches(stage, layout)
-    activations = {checkpointing: activation_bytes(cfg.model, layout, layers, first, last, in_flight, checkpointing)
+    activations = {checkpointing: activation_bytes(model, layout, layers, first, last, in_flight, checkpointing)
                    for checkpointing in (False, True)}
     buffers = deepspeed_buffer_bytes(shards, layout, zero)
     terms = {**model_state_bytes(shards, layout, zero), "deepspeed_buffers": sum(buffers.values()),
@@ -427,8 +433,8 @@ def plan(cfg: RunConfig, world_size: int, gpu_memory_gb: float = 80.0) -> dict:
     layout = layout_of(cfg, world_size)
     zero = zero_config(cfg, layout)
     gpu_memory = int(gpu_memory_gb * GIB)
-    stages = pipeline_stages(cfg)
-    plans = [stage_plan(cfg, layout, zero, k, specs, shards, gpu_memory)
+    stages = pipeline_stages(cfg.model, cfg.parallel)
+    plans = [stage_plan(cfg.model, layout, zero, k, specs, shards, gpu_memory)
              for k, (specs, shards) in enumerate(zip(stages, stage_shards(cfg, stages)))]
-    return {"layout": dataclasses.asdict(layout), **max(plans, key=lambda p: p["bytes"]["total"]),
+    return {"layout": layout.to_json(), **max(plans, key=lambda p: p["bytes"]["total"]),
             "activation_formula": ACTIVATION_FORMULA, "caveats": activation_caveats(cfg.model)}

@@ -33,6 +33,7 @@ from data_tools.probe_tasks import read_examples
 from data_tools.readers import DataError
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
+from pretrain.config import read_run_config
 from pretrain.run_dir import RunDir
 
 NAME = "probe"
@@ -88,7 +89,7 @@ def probe_manifest(path: Optional[str]) -> tuple[str, dict]:
 def evaluate(run: RunDir, tag: Optional[str] = None, split: str = "valid", limit: Optional[int] = None,
              manifest: Optional[str] = None, batch_size: int = 64) -> dict:
     """The probe evaluation record of the run's checkpoint (INTERFACES: evaluations/<name>.json)."""
-    cfg = run.read_config()
+    cfg = read_run_config(run)
     file, probe = probe_manifest(manifest or cfg.data.manifest)
     if probe["seq_length"] > cfg.model.seq_length:
         raise ProbeError(f"the probe's examples have {probe['seq_length']} tokens, the model "

@@ -147,8 +147,7 @@ def parameter_counts(train_engine: TrainEngine) -> tuple[int, int]:
             continue
         counts[0 if p.requires_grad else 1] += full_numel(p)
     dist.all_reduce(counts)
-    stages = module.num_stages if train_engine.pipelined else 1
-    replicas = dist.get_world_size() // stages // parallel_state.get_tensor_model_parallel_world_size()
+    replicas = train_engine.layout.data
     return int(counts[0].item()) // replicas, int(counts[1].item()) // replicas
 
 

@@ -24,33 +24,31 @@ from megatron.core.tokenizers import MegatronTokenizer
 from data_tools.manifest import blend_per_split_from_manifest, load_manifest, manifest_path
 from data_tools.shard_writer import sha256_file, shard_file_problems
 from ora_megatron.config_io import ConfigError
-from pretrain.config import BlendEntry, RunConfig
+from pretrain.config import BlendEntry, DataConfig, RunConfig
 
 SPLITS = ("train", "valid", "test")
 
 
-def tokenizer_path(cfg: RunConfig) -> Optional[str]:
-    if cfg.data.tokenizer:
-        return cfg.data.tokenizer
-    if cfg.data.manifest:
-        return load_manifest(cfg.data.manifest)["tokenizer"]["path"]
+def tokenizer_path(data: DataConfig) -> Optional[str]:
+    if data.tokenizer:
+        return data.tokenizer
+    if data.manifest:
+        return load_manifest(data.manifest)["tokenizer"]["path"]
     return None
 
 
-def build_tokenizer(cfg: RunConfig):
+def build_tokenizer(data: DataConfig, vocab_size: int):
     """megatron-core's tokenizer: sentencepiece when a model is given, else its null tokenizer
-    (mock data) of model.vocab_size ids, the last one the end of document."""
-    path = tokenizer_path(cfg)
+    (mock data) of `vocab_size` (model.vocab_size) ids, the last one the end of document."""
+    path = tokenizer_path(data)
     if path is None:
         # megatron-core 0.17+ renamed its null tokenizer library "null" -> "null-text", and its vocab_size
         # now counts the end-of-document id (the last one) where the old one's added it.
         from megatron.core.tokenizers.text.text_tokenizer import TOKENIZER_MAPPING_LIBRARIES
 
-        if "null-text" in TOKENIZER_MAPPING_LIBRARIES:
-            library, vocab_size = "null-text", cfg.model.vocab_size
-        else:
-            library, vocab_size = "null", cfg.model.vocab_size - 1
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size)
+        library = "null-text" if "null-text" in TOKENIZER_MAPPING_LIBRARIES else "null"
+        ids = vocab_size if library == "null-text" else vocab_size - 1
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=ids)
     return MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={"library": "sentencepiece"})
 
 
@@ -60,8 +58,7 @@ def _blend(entries: list[BlendEntry]):
     return [e.path for e in entries], [e.weight for e in entries]
 
 
-def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConfig:
-    data = cfg.data
+def dataset_config(data: DataConfig, seq_length: int, tokenizer, cache_dir: Path) -> GPTDatasetConfig:
     blend, blend_per_split, split = None, None, None
     if data.manifest:
         per_split = blend_per_split_from_manifest(data.manifest)
@@ -78,14 +75,14 @@ def dataset_config(cfg: RunConfig, tokenizer, cache_dir: Path) -> GPTDatasetConf
     # Document masking travels as document ids, read off megatron-core's reset positions (`document_ids`):
     # its dense [s, s] mask per sample is never made.
     return GPTDatasetConfig(
-        random_seed=data.seed, sequence_length=cfg.model.seq_length, blend=blend,
+        random_seed=data.seed, sequence_length=seq_length, blend=blend,
         blend_per_split=blend_per_split, split=split, tokenizer=tokenizer,
         reset_position_ids=data.reset_position_ids or data.reset_attention_mask,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False, path_to_cache=str(cache_dir))
 
 
-def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple[str, list]]:
+def _datasets_and_splits(config: GPTDatasetConfig) -> list[tuple[str, list]]:
     """(prefix, split matrix) for every indexed dataset the run reads."""
     if config.blend is not None:
         matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
@@ -97,12 +94,12 @@ def _datasets_and_splits(cfg: RunConfig, config: GPTDatasetConfig) -> list[tuple
     return entries
 
 
-def read_manifest(cfg: RunConfig) -> dict:
+def read_manifest(data: DataConfig) -> dict:
     """The run's data_tools manifest; a missing or unreadable one is a config error at data.manifest."""
     try:
-        return load_manifest(cfg.data.manifest)
+        return load_manifest(data.manifest)
     except (OSError, ValueError) as e:
-        raise ConfigError("data.manifest", f"cannot read {manifest_path(cfg.data.manifest)}: {e}") from None
+        raise ConfigError("data.manifest", f"cannot read {manifest_path(data.manifest)}: {e}") from None
 
 
 def check_data(cfg: RunConfig) -> None:
@@ -115,26 +112,27 @@ def check_data(cfg: RunConfig) -> None:
     documents; a token id past the embedding fails in the first forward (CPU) or as a device-side
     assert (GPU), and another tokenizer of the same size trains on ids that mean other pieces.
     """
-    if cfg.data.mock:
+    data = cfg.data
+    if data.mock:
         return
-    key = "data." + cfg.data.sources[0]
-    manifest = read_manifest(cfg) if cfg.data.manifest else None
-    path = tokenizer_path(cfg)
+    key = "data." + data.sources[0]
+    manifest = read_manifest(data) if data.manifest else None
+    path = tokenizer_path(data)
     if path is None:
         raise ConfigError("data.tokenizer", "a sentencepiece model is needed to read indexed datasets")
     if not Path(path).is_file():
-        moved = "" if cfg.data.tokenizer else f" (the path {cfg.data.manifest} records): set data.tokenizer to its copy"
+        moved = "" if data.tokenizer else f" (the path {data.manifest} records): set data.tokenizer to its copy"
         raise ConfigError("data.tokenizer", f"no tokenizer model at {path}{moved}")
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = build_tokenizer(data, cfg.model.vocab_size)
     if manifest is not None:
-        _check_manifest_tokenizer(cfg, manifest, path, tokenizer.vocab_size)
-        _check_manifest_shards(cfg, manifest)
+        _check_manifest_tokenizer(data, manifest, path, tokenizer.vocab_size)
+        _check_manifest_shards(data, manifest)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
                                               f"{tokenizer.vocab_size} ids ({path})")
-    config = dataset_config(cfg, tokenizer, cache_dir=Path("."))
+    config = dataset_config(data, cfg.model.seq_length, tokenizer, cache_dir=Path("."))
     split_tokens = dict.fromkeys(SPLITS, 0)
-    for prefix, matrix in _datasets_and_splits(cfg, config):
+    for prefix, matrix in _datasets_and_splits(config):
         if not (Path(prefix + ".idx").exists() and Path(prefix + ".bin").exists()):
             raise ConfigError(key, f"no indexed dataset at {prefix} (.bin/.idx)")
         dataset = IndexedDataset(prefix)
@@ -155,7 +153,7 @@ def check_data(cfg: RunConfig) -> None:
                   f"= {sample}): each of its samples repeats the same tokens", file=sys.stderr)
 
 
-def _check_manifest_tokenizer(cfg: RunConfig, manifest: dict, path: str, vocab_size: int) -> None:
+def _check_manifest_tokenizer(data: DataConfig, manifest: dict, path: str, vocab_size: int) -> None:
     """The tokenizer the run uses (data.tokenizer, or the manifest's own path) is the file the shards
     were built with: the manifest records its sha256 and vocabulary size."""
     built = manifest["tokenizer"]
@@ -166,30 +164,30 @@ def _check_manifest_tokenizer(cfg: RunConfig, manifest: dict, path: str, vocab_s
     if digest != built["sha256"]:
         differs.append(f"sha256 {digest[:12]}… vs {built['sha256'][:12]}…")
     if differs:
-        raise ConfigError("data.tokenizer", f"{path} is not the tokenizer the shards of {cfg.data.manifest} were "
+        raise ConfigError("data.tokenizer", f"{path} is not the tokenizer the shards of {data.manifest} were "
                                             f"built with ({built['path']}): {', '.join(differs)}")
 
 
-def _check_manifest_shards(cfg: RunConfig, manifest: dict) -> None:
+def _check_manifest_shards(data: DataConfig, manifest: dict) -> None:
     """Every dataset file has the byte size and document count the manifest records (a stat and
     the .idx header each): a truncated or replaced shard fails here, not inside the workers."""
-    root = Path(manifest_path(cfg.data.manifest)).resolve().parent
+    root = Path(manifest_path(data.manifest)).resolve().parent
     problems = [problem for entry in manifest["datasets"]
                 for problem in shard_file_problems(str(root / entry["prefix"]), entry["bin_bytes"],
                                                    entry["idx_bytes"], entry["documents"])]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ConfigError("data.manifest", f"the shards do not match {cfg.data.manifest}: {problems[0]}{more}")
+        raise ConfigError("data.manifest", f"the shards do not match {data.manifest}: {problems[0]}{more}")
 
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
     """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches), and
     with train.eval_per_source each source's valid and test datasets, as `source_split(split, source)`."""
     sizes = [cfg.train.train_samples, cfg.train.eval_samples, cfg.train.eval_samples]
-    config = dataset_config(cfg, tokenizer, cache_dir)
+    config = dataset_config(cfg.data, cfg.model.seq_length, tokenizer, cache_dir)
     cls = MockGPTDataset if cfg.data.mock else GPTDataset
     datasets = dict(zip(SPLITS, BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()))
-    for source, per_split in eval_sources(cfg, config).items():
+    for source, per_split in eval_sources(cfg.data, cfg.train.eval_per_source, config).items():
         # Built as a run whose valid/test blends were this source's entries alone would build them.
         single = dataclasses.replace(config, blend=None, split=None, blend_per_split=[None, *per_split])
         valid, test = BlendedMegatronDatasetBuilder(cls, [None, *sizes[1:]], lambda: True, single).build()[1:]
@@ -202,15 +200,15 @@ def source_split(split: str, source: str) -> str:
     return f"{split}:{source}"
 
 
-def eval_sources(cfg: RunConfig, config: GPTDatasetConfig) -> dict[str, list]:
+def eval_sources(data: DataConfig, per_source: bool, config: GPTDatasetConfig) -> dict[str, list]:
     """Source → [valid blend, test blend] of its entries in the run's blends (prefixes and weights as the
     manifest gives them; None where the source has none), for a manifest of two or more sources in its
-    valid/test splits and train.eval_per_source. A manifest built without --split (its shards cut by
-    data.split) evaluates the blend only."""
-    if not (cfg.train.eval_per_source and cfg.data.manifest):
+    valid/test splits and train.eval_per_source (`per_source`). A manifest built without --split (its
+    shards cut by data.split) evaluates the blend only."""
+    if not (per_source and data.manifest):
         return {}
-    manifest = read_manifest(cfg)
-    root = Path(manifest_path(cfg.data.manifest)).resolve().parent
+    manifest = read_manifest(data)
+    root = Path(manifest_path(data.manifest)).resolve().parent
     source_of = {str(root / entry["prefix"]): entry.get("source", "") for entry in manifest["datasets"]}
     if config.blend_per_split is None:  # cut by ratio: a source's valid part is no blend of whole datasets
         return {}
@@ -247,11 +245,11 @@ class BatchOrder:
 BATCH_KEYS = ("tokens", "labels", "loss_mask")
 
 
-def document_keys(cfg: RunConfig) -> tuple[str, ...]:
+def document_keys(data: DataConfig) -> tuple[str, ...]:
     """What a batch carries besides BATCH_KEYS under document masking: megatron's per-sample positions
     (data.reset_position_ids) and each token's document (data.reset_attention_mask, `document_ids`)."""
-    return (("position_ids",) if cfg.data.reset_position_ids else ()) + (
-        ("document_ids",) if cfg.data.reset_attention_mask else ())
+    return (("position_ids",) if data.reset_position_ids else ()) + (
+        ("document_ids",) if data.reset_attention_mask else ())
 
 
 def document_ids(sample: dict) -> torch.Tensor:

@@ -7,15 +7,15 @@ import json
 
 import torch
 
-from pretrain.config import RunConfig
+from pretrain.config import DeepSpeedConfig, RunConfig
 from pretrain.paths import DS_CONFIG_DIR
 
 
-def fp32_grad_accumulation(cfg: RunConfig, grad_accum: int) -> bool:
+def fp32_grad_accumulation(deepspeed: DeepSpeedConfig, grad_accum: int) -> bool:
     """Whether DeepSpeed sums the micro-batches' bf16 gradients in fp32 (rather than in bf16, 8 mantissa
     bits). It offers that with ZeRO-2/3 only: ZeRO-0 refuses the mix, and ZeRO-1 would swap in its bf16
     optimizer, whose checkpoints are laid out differently."""
-    return cfg.deepspeed.precision == "bf16" and grad_accum > 1 and cfg.deepspeed.zero_stage >= 2
+    return deepspeed.precision == "bf16" and grad_accum > 1 and deepspeed.zero_stage >= 2
 
 
 def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
@@ -40,7 +40,7 @@ def deepspeed_config(cfg: RunConfig, grad_accum: int) -> dict:
         # Reduce each gradient bucket on a side stream while backward computes the next one. (On
         # the CPU accelerator DeepSpeed has no streams to overlap with.)
         zero["overlap_comm"] = True
-    if fp32_grad_accumulation(cfg, grad_accum):
+    if fp32_grad_accumulation(cfg.deepspeed, grad_accum):
         merged["data_types"] = {"grad_accum_dtype": "fp32"}
     if cfg.deepspeed.precision == "bf16" and zero["stage"] in (1, 2):
         # No pass over every gradient for non-finite values before each step: the step's gradient

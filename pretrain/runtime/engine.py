@@ -20,6 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from ora_megatron.attention import settle_hadamard_paths_eagerly
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
 from pretrain.config import RunConfig
+from pretrain.parallel_layout import ParallelLayout
 from pretrain.runtime.ds_config import deepspeed_config
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm, skip_nonfinite_steps_by_norm, undo_initial_zero_step
 from pretrain.runtime.loss import lm_loss
@@ -78,14 +79,11 @@ class PipelinedGPT(PipelineModule):
         return name.startswith("tied_modules.") and self.stage_id != 0
 
 
-def _pipeline_module(cfg: RunConfig) -> PipelinedGPT:
-    world = torch.distributed.get_world_size()
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
+def _pipeline_module(specs: list[StageSpec], layout: ParallelLayout, activation_checkpointing: bool) -> PipelinedGPT:
+    topology = PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor, num_dp=layout.data)
     return PipelinedGPT(
-        stage_specs(cfg.model, cfg.parallel), topology=topology, loss_fn=lm_loss,
-        partition_method="type:DecoderLayerStage",
-        activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,
+        specs, topology=topology, loss_fn=lm_loss, partition_method="type:DecoderLayerStage",
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,
         checkpointable_layers=[DecoderLayerStage.__name__])
 
 
@@ -97,6 +95,7 @@ class TrainEngine:
     ds_engine: deepspeed.DeepSpeedEngine
     scheduler: OptimizerParamScheduler
     pipelined: bool
+    layout: ParallelLayout
     # One data-parallel rank, ZeRO-0, fp32, no pipeline: DeepSpeed's gradient all-reduce is an
     # identity there (a sum over one rank, divided by 1), so `backward` leaves it out.
     single_replica: bool = False
@@ -155,10 +154,12 @@ def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor") 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
     # DeepSpeed's comm layer wraps the existing torch process group (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    specs = stage_specs(cfg.model, cfg.parallel)
     if cfg.parallel.pipeline > 1:
-        model = _pipeline_module(cfg)
+        layout = ParallelLayout.of(cfg.parallel, torch.distributed.get_world_size())
+        model = _pipeline_module(specs, layout, cfg.train.activation_checkpointing)
     else:
-        model = StagedGPT(stage_specs(cfg.model, cfg.parallel))
+        model = StagedGPT(specs)
         model.activation_checkpointing = cfg.train.activation_checkpointing
     if cfg.train.compile:
         compile_model(model)
@@ -178,7 +179,9 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
     skip_nonfinite_steps_by_norm(ds_engine)
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(ds_engine, ds_engine.optimizer.record_clip_norm)
-    single_replica = fp32_zero0 and not pipelined and parallel_state.get_data_parallel_world_size() == 1
+    layout = ParallelLayout.of(cfg.parallel, torch.distributed.get_world_size())
+    single_replica = fp32_zero0 and not pipelined and layout.data == 1
     return TrainEngine(ds_engine=ds_engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
-                       single_replica=single_replica, trainable=[p for p in model.parameters() if p.requires_grad],
+                       layout=layout, single_replica=single_replica,
+                       trainable=[p for p in model.parameters() if p.requires_grad],
                        reports_no_grad_norm=fp32_zero0 and opt.clip_grad <= 0)

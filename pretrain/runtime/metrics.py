@@ -20,8 +20,9 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 from megatron.core import parallel_state
 
-from pretrain.config import RunConfig
-from pretrain.run_dir import EvalRecord, EventRecord, Record, RunDir, TrainRecord, config_hash, write_text_atomic
+from pretrain.config import LoggingConfig, RunConfig
+from pretrain.run_dir import RunDir, config_hash, write_text_atomic
+from pretrain.run_records import EvalRecord, EventRecord, Record, TrainRecord
 from pretrain.runtime.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 from pretrain.runtime.engine import TrainEngine
 
@@ -214,9 +215,9 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def layer_grad_norms_due(cfg: RunConfig, step: int) -> bool:
+def layer_grad_norms_due(logging: LoggingConfig, log_interval: int, step: int) -> bool:
     """Whether step `step` (1-based) records per-stage gradient norms: a log-interval step, when asked for."""
-    return cfg.logging.layer_grad_norms and step % cfg.train.log_interval == 0
+    return logging.layer_grad_norms and step % log_interval == 0
 
 
 def layer_grad_norms(train_engine: TrainEngine) -> Optional[dict[str, Optional[float]]]:

@@ -1,12 +1,14 @@
 """The training loop. Its components decide when they act: the metrics logger when to log, the
 evaluator when to validate and when early stopping stops, the checkpointer when to save, the step
-guard whether a spiking update is applied (train.spike_skip); the hang watchdog watches the loop.
+guard whether a spiking update is applied (stability.spike_skip), `stops` when a signal or the wall
+time ends the run; the hang watchdog watches the loop, and the run's faults (pretrain/faults.py, tests
+only) get one call before and one after each step.
 
-A run of skipped steps (non-finite, or spikes) of train.max_consecutive_skips in a row stops the run,
-or, with train.rewind, rewinds it: the newest intact checkpoint saved before the first of them is
-loaded again, the train.rewind.skip_batches data batches that end with the divergent ones (those
-at least) are skipped, the steps between the checkpoint and them train again on their own batches,
-and training goes on; the rewind is recorded in the train state (and so in every later
+A run of skipped steps (non-finite, or spikes) of stability.max_consecutive_skips in a row stops the
+run, or, with stability.rewind, rewinds it: the newest intact checkpoint saved before the first of
+them is loaded again, the stability.rewind.skip_batches data batches that end with the divergent ones
+(those at least) are skipped, the steps between the checkpoint and them train again on their own
+batches, and training goes on; the rewind is recorded in the train state (and so in every later
 checkpoint), metrics.jsonl and summary.json.
 """
 
@@ -15,24 +17,24 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import os
-import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import get_flattened_grad_norm
-from megatron.core import parallel_state
 
 from ora_megatron.attention import use_imported_qk
 from ora_megatron.config_io import to_dict
-from pretrain.checkpoint import init_from, reshard
+from pretrain.checkpoint import reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.checkpoint.consolidate import imported_qk
-from pretrain.config import PROCESS_FAULTS, RunConfig
-from pretrain.run_dir import RunDir, Summary, step_of_tag
+from pretrain.config import RunConfig
+from pretrain.faults import Faults
+from pretrain.run_dir import RunDir, step_of_tag
+from pretrain.run_records import Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer, document_keys
 from pretrain.runtime.ds_internals import base_optimizer, step_grad_norm
@@ -40,9 +42,10 @@ from pretrain.runtime.engine import MegatronMPU, TrainEngine, build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
-from pretrain.runtime.spikes import SpikeWindow, StepGuard, guard_steps
-from pretrain.supervision import ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE
+from pretrain.stability import Spike, SpikeWindow, StepGuard, guard_steps
+from pretrain.supervision import attempt_number, job_restarts
 from pretrain.training.evaluator import Evaluator
+from pretrain.training.stops import Preemption, WallClock
 from pretrain.training.watchdog import Watchdog
 
 
@@ -55,52 +58,38 @@ class TrainingStopped(RuntimeError):
         self.summary = summary
 
 
-class Preemption:
-    """SIGTERM, SIGINT and SIGUSR1 ask the run to checkpoint and stop at the end of the current step."""
+@dataclass
+class StepOutcome:
+    """One trained step: this rank's mean loss (left on the device until it is logged), the data-parallel
+    mean once it was, and why the step's update was not applied."""
 
-    def __init__(self):
-        self.requested = False
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(signum, self._request)
-
-    def _request(self, _signum, _frame) -> None:
-        self.requested = True
-
-    def agreed(self, out_of_time: bool = False, save_due: bool = False) -> tuple[bool, bool, bool]:
-        """(a stop was asked of any rank, any rank is out of time, any rank's save interval in seconds has
-        passed): the same on every rank (one collective)."""
-        if dist.get_world_size() == 1:
-            return self.requested, out_of_time, save_due
-        flags = torch.tensor([float(self.requested), float(out_of_time), float(save_due)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item()), bool(flags[2].item())
+    loss: torch.Tensor
+    skip_reason: Optional[str]  # "non-finite", a spike's reason, or None: applied
+    spike: Optional[Spike]
+    mean_loss: Optional[float] = None
 
 
-def job_start_time() -> float:
-    """When this job started (its supervisor's start), else when this process did."""
-    value = os.environ.get(JOB_START_VARIABLE)
-    return float(value) if value else time.time() - time.monotonic() + _PROCESS_START
+@dataclass
+class Ending:
+    """What the checks after a step decided."""
 
-
-_PROCESS_START = time.monotonic()
-
-
-def attempt_number() -> int:
-    """Which launch of the job this process belongs to: 0 for the first, 1 after the first restart."""
-    return int(os.environ.get(ATTEMPT_VARIABLE) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    stopped_early: bool = False
+    preempted: bool = False
+    out_of_time: bool = False
+    final: bool = False  # the loop ends after this step
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: RunDir, grad_accum: int, watchdog: Optional[Watchdog] = None):
-        self.cfg, self.grad_accum, self.watchdog = cfg, grad_accum, watchdog
-        datasets = build_datasets(cfg, build_tokenizer(cfg), run_dir.data_cache)
+        self.cfg, self.run_dir, self.grad_accum, self.watchdog = cfg, run_dir, grad_accum, watchdog
+        datasets = build_datasets(cfg, build_tokenizer(cfg.data, cfg.model.vocab_size), run_dir.data_cache)
         self.state = TrainState()
-        skip = cfg.train.spike_skip
+        skip = cfg.stability.spike_skip
         self.window = SpikeWindow(skip.window, skip.sigma) if skip.enabled else None
         self.guard = StepGuard(self.window, self._step_grad_norm) if self.window else None
         self._step_loss: Optional[float] = None  # the step's data-parallel mean loss, when the guard needed it
         self.train_engine: TrainEngine = build_engine(cfg, grad_accum)
-        # Imported Q/K (train.init_from_qk: imported) are the reference frozen ones are restored to.
+        # Imported Q/K (init_from.qk: imported) are the reference frozen ones are restored to.
         use_imported_qk(self.train_engine.module, imported_qk(run_dir))
         self._guard_engine()
         self.param_counts = accounting.parameter_counts(self.train_engine)
@@ -108,18 +97,14 @@ class Trainer:
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (TrainEngine.reports_no_grad_norm)
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
         self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
-        self.batches = StepBatches(datasets, BatchOrder(cfg.train.micro_batch_size, grad_accum, *self._dp_rank_size()),
-                                   prefetch=torch.cuda.is_available(), extra_keys=document_keys(cfg))
-        self.run_dir = run_dir
+        rank, layout = dist.get_rank(), self.train_engine.layout
+        order = BatchOrder(cfg.train.micro_batch_size, grad_accum, layout.data_rank(rank), layout.data)
+        self.batches = StepBatches(datasets, order, prefetch=torch.cuda.is_available(),
+                                   extra_keys=document_keys(cfg.data))
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
-        restarts = [r for r in run_dir.read_restarts() if r.action == "restart" and r.node_rank in (None, 0)]
-        self.restarts, self.hangs = len(restarts), sum(bool(r.hang_dumps) for r in restarts)
-
-    def _dp_rank_size(self) -> tuple[int, int]:
-        if self.train_engine.pipelined:
-            grid = self.train_engine.ds_engine.grid
-            return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
-        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        self.faults = Faults(cfg.faults, rank, attempt_number())
+        self.restarts = job_restarts(run_dir)
+        self.hangs = sum(bool(r.hang_dumps) for r in self.restarts)
 
     def _enter_freeze_stage(self, index: int) -> None:
         if index != self.state.freeze_stage:
@@ -149,7 +134,7 @@ class Trainer:
     def _load(self, tag: str) -> None:
         saved = self.checkpointer.read_state(tag)
         self._enter_freeze_stage(saved.freeze_stage)  # the optimizer must hold the saved trainable set
-        # Written by another topology: the launcher converted it once (pretrain/checkpoint/reshard.py).
+        # Written by another topology: converted once before the workers started (pretrain/checkpoint/reshard.py).
         converted = reshard.converted_checkpoint(self.run_dir, tag, self.cfg, dist.get_world_size())
         self.checkpointer.load(self.train_engine, tag, saved, converted)
         self.state = saved
@@ -157,23 +142,15 @@ class Trainer:
             self.window.load_state_dict(saved.spike_window)
 
     def import_weights(self) -> bool:
-        """A fresh run's imported weights (train.init_from, converted by the launching process), if any."""
+        """A fresh run's imported weights (init_from.path, converted before the workers started), if any."""
         if self.run_dir.read_init_from() is None:
             return False
-        init_from.load_import(self.train_engine, self.run_dir)
+        from safetensors.torch import load_file
+
+        reshard.load_weights(self.train_engine, load_file(str(self.run_dir.init_from_weights)))
         return True
 
     # ------------------------------------------------------------------ one step
-    def _loss_factor(self, step: int, position: int) -> Optional[float]:
-        """What injected faults multiply this step's loss by (None: nothing injected)."""
-        factor = None
-        if step + 1 in self.cfg.train.inject_nonfinite_loss_steps:
-            factor = float("nan")
-        for fault in self.cfg.train.inject_faults:
-            if fault.batch == position + 1:
-                factor = (factor or 1.0) * (float("nan") if fault.kind == "nan" else fault.factor)
-        return factor
-
     def _train_step(self, step: int) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss, left on the device until it is logged."""
         ds_engine = self.train_engine.ds_engine
@@ -181,7 +158,7 @@ class Trainer:
         if self.train_engine.pipelined:
             return ds_engine.train_batch(data_iter=self.batches.pipeline_iter("train", position))
         losses = []
-        factor = self._loss_factor(step, position)
+        factor = self.faults.loss_factor(position + 1)
         self._step_loss = None
         for micro in range(self.grad_accum):
             loss = batch_loss(ds_engine, self.batches.micro_batch("train", position, micro))
@@ -191,18 +168,22 @@ class Trainer:
             self.train_engine.backward(loss, last_micro_batch=last)
             losses.append(loss.detach())
             if last:
-                if self.grad_bytes is None:  # gradient storage only changes with the trainable set
-                    self.grad_bytes = accounting.local_grad_bytes(ds_engine)
-                if self.train_engine.reports_no_grad_norm:
-                    trainable = self.train_engine.trainable
-                    self.zero0_grad_norm = float(get_flattened_grad_norm(trainable, mpu=MegatronMPU()))
-                due = layer_grad_norms_due(self.cfg, step + 1)
-                self.layer_grad_norms = layer_grad_norms(self.train_engine) if due else None
-                if self.guard is not None:  # the same loss on every rank decides the same skip
-                    self._step_loss = data_parallel_mean(torch.stack(losses).mean())
-                    self.guard.arm(self._step_loss)
+                self._before_optimizer_step(step, losses)
             ds_engine.step()
         return torch.stack(losses).mean()
+
+    def _before_optimizer_step(self, step: int, losses: list[torch.Tensor]) -> None:
+        """What is read of the gradients before the last micro-batch's optimizer step changes them."""
+        ds_engine = self.train_engine.ds_engine
+        if self.grad_bytes is None:  # gradient storage only changes with the trainable set
+            self.grad_bytes = accounting.local_grad_bytes(ds_engine)
+        if self.train_engine.reports_no_grad_norm:
+            self.zero0_grad_norm = float(get_flattened_grad_norm(self.train_engine.trainable, mpu=MegatronMPU()))
+        due = layer_grad_norms_due(self.cfg.logging, self.cfg.train.log_interval, step + 1)
+        self.layer_grad_norms = layer_grad_norms(self.train_engine) if due else None
+        if self.guard is not None:  # the same loss on every rank decides the same skip
+            self._step_loss = data_parallel_mean(torch.stack(losses).mean())
+            self.guard.arm(self._step_loss)
 
     def _mean_loss(self, loss: torch.Tensor) -> float:
         """The step's loss over the data-parallel ranks (the pipeline engine has reduced it already)."""
@@ -216,24 +197,6 @@ class Trainer:
         norm = float(norm) if norm is not None else self.zero0_grad_norm
         return norm if norm is not None and math.isfinite(norm) and norm >= 0 else None
 
-    def _inject_process_faults(self, step: int) -> None:
-        """Fault injection (train.inject_faults) after `step` was trained, on this rank and attempt."""
-        rank, attempt = dist.get_rank(), attempt_number()
-        for fault in self.cfg.train.inject_faults:
-            if (fault.kind not in PROCESS_FAULTS or fault.step != step or fault.rank != rank
-                    or fault.attempt not in (None, attempt)):
-                continue
-            print(f"injected fault: {fault.kind} on rank {rank} after step {step} (attempt {attempt})",
-                  file=sys.stderr, flush=True)
-            if fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault.kind == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif fault.kind == "preempt":  # as a scheduler would: to the job, which passes it to every rank
-                os.kill(int(os.environ.get(SUPERVISOR_VARIABLE) or os.getpid()), signal.SIGTERM)
-            else:
-                raise RuntimeError(f"injected crash after step {step}")
-
     # ------------------------------------------------------------------ the loop
     @contextlib.contextmanager
     def _aside(self, timer: IterationTimer) -> Iterator[None]:
@@ -244,8 +207,7 @@ class Trainer:
     def train(self) -> Summary:
         logger = MetricsLogger(self.run_dir, self.cfg, to_dict(self.cfg), start_step=self.state.step)
         if attempt_number() > 0 and self.restarts:  # this job restarted: its record, as an event
-            restart = [r for r in self.run_dir.read_restarts() if r.action == "restart" and r.node_rank in (None, 0)]
-            detail = {k: v for k, v in vars(restart[-1]).items() if k != "log_tail"}
+            detail = {k: v for k, v in vars(self.restarts[-1]).items() if k != "log_tail"}
             logger.event(self.state.step, "restart", {**detail, "training_again_at": time.time()})
         try:
             return self._loop(logger, Evaluator(self.cfg, self.batches, logger))
@@ -253,97 +215,111 @@ class Trainer:
             logger.close()
 
     def _loop(self, logger: MetricsLogger, evaluator: Evaluator) -> Summary:
-        cfg, state = self.cfg.train, self.state
+        cfg = self.cfg
         preemption = Preemption()
-        job_start = job_start_time()
-        # Wall time adds up over segments: a resumed run starts from its checkpoint's.
-        segment_start, time_before, train_loss = time.time(), state.train_time_s, float("nan")
-
-        def train_time_s() -> float:
-            return time_before + time.time() - segment_start
-
-        stopped_early = preempted = out_of_time = False
-        timer, loss, loss_reduced = IterationTimer(), None, False
-        longest_step = longest_save = 0.0  # for train.max_wall_time: what the next step and save may take
-        last_save = time.monotonic()  # for checkpoint.save_interval_s
-        skip_reason: Optional[str] = None
-        while state.step < cfg.steps:
-            with self._aside(timer):  # an engine rebuild at a freeze-schedule boundary is no step's time
-                self._enter_freeze_stage(cfg.freeze_stage_at(state.step))
-            self.train_engine.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
-            skipped_before = self.train_engine.ds_engine.skipped_steps
-            loss = self._train_step(state.step)
-            longest_step = max(longest_step, timer.lap())
-            skipped = self.train_engine.ds_engine.skipped_steps > skipped_before
-            spike = self.guard.take() if self.guard is not None else None
-            skip_reason = "non-finite" if skipped else (spike.reason if spike else None)
-            state.step += 1
-            state.tokens_seen += self.cfg.tokens_per_step
-            state.skipped_steps += int(skipped)
-            state.spike_skips += int(spike is not None)
-            state.consecutive_skips = state.consecutive_skips + 1 if skip_reason else 0
-            if self.window is not None:
-                state.spike_window = self.window.state_dict()
-            loss_reduced = logger.due(state.step, skip_reason is not None)
-            if loss_reduced:  # the loss leaves the device (a collective) only when it is logged
-                train_loss = self._mean_loss(loss)
-                seconds, steps = timer.window()  # the steps since the last record, the device synchronised
-                logger.train_step(
-                    state.step, train_loss, seconds, window_steps=steps, skipped=skip_reason is not None,
-                    skipped_steps=state.skipped_steps,
-                    lr=self.train_engine.scheduler.get_lr(self.train_engine.ds_engine.optimizer.param_groups[0]),
-                    grad_norm=self.guard.norm if spike else self._grad_norm(),
-                    trainable_params=self.param_counts[0], layer_grad_norms=self.layer_grad_norms,
-                    skip_reason=skip_reason, spike_skips=state.spike_skips, restarts=self.restarts, hangs=self.hangs,
-                    rewinds=len(state.rewinds))
-            if spike is not None:
-                logger.event(state.step, "spike", {"reason": spike.reason, "value": spike.value, "bound": spike.bound})
-            logger.step_done(state.step)
-            if self.watchdog is not None:
-                self.watchdog.beat(state.step)
-            self._inject_process_faults(state.step)
-            too_many_skips = state.consecutive_skips >= cfg.max_consecutive_skips
-            if too_many_skips and cfg.rewind.enabled and len(state.rewinds) < cfg.rewind.max_rewinds:
+        clock = WallClock(self.state.train_time_s, cfg.supervision.max_wall_time, cfg.checkpoint.save_interval_s)
+        timer, outcome, ending = IterationTimer(), None, Ending()
+        while self.state.step < cfg.train.steps:
+            outcome = self._step(timer, clock)
+            self._record(outcome, timer, logger)
+            self.faults.after_step(self.state.step)
+            diverged = self.state.consecutive_skips >= cfg.stability.max_consecutive_skips
+            if diverged and self._may_rewind():
                 with self._aside(timer):
-                    rewound = self._rewind(logger, skip_reason)
+                    rewound = self._rewind(logger, outcome.skip_reason)
                 if rewound:
-                    state = self.state
                     continue
-            with self._aside(timer):
-                stopped_early = not too_many_skips and evaluator.after_step(self.train_engine, state)
-            time_up = cfg.max_wall_time > 0 and (
-                time.time() - job_start + longest_step + longest_save >= cfg.max_wall_time)
-            every_s = self.cfg.checkpoint.save_interval_s
-            preempted, out_of_time, save_due = preemption.agreed(
-                time_up, every_s > 0 and time.monotonic() - last_save >= every_s)
-            final = state.step == cfg.steps or too_many_skips or stopped_early or preempted or out_of_time
-            state.train_time_s = train_time_s()
-            with self._aside(timer):
-                started = time.monotonic()
-                if self.checkpointer.save_if_due(self.train_engine, state, final=final, by_time=save_due):
-                    longest_save, last_save = max(longest_save, time.monotonic() - started), time.monotonic()
-            if too_many_skips:
-                if loss is not None and not loss_reduced:
-                    train_loss = self._mean_loss(loss)
-                stop_reason = "diverged" if cfg.rewind.enabled else "skipped steps"
-                with self._aside(timer):
-                    summary = self._summary(train_loss, None, train_time_s(), stop_reason=stop_reason)
-                used = (f"; {len(state.rewinds)} rewinds (train.rewind.max_rewinds) did not help"
-                        if cfg.rewind.enabled else "")
-                what = ("had non-finite loss or gradients" if skip_reason == "non-finite"
-                        else f"were skipped (the last: {skip_reason})")
-                raise TrainingStopped(
-                    f"{state.consecutive_skips} consecutive steps {what} (step {state.step}){used}; stopped, "
-                    f"last good state saved in {self.run_dir.checkpoints}", summary)
-            if final:
+            ending = self._after_step(timer, clock, evaluator, preemption, diverged)
+            if diverged:
+                raise self._stopped(outcome, timer, clock)
+            if ending.final:
                 break
-        if loss is not None and not loss_reduced:
-            train_loss = self._mean_loss(loss)  # the last step was not logged
+        train_loss = self._final_loss(outcome)
         with self._aside(timer):
-            test_loss = None if preempted or out_of_time else evaluator.test(self.train_engine, state.step)
-            return self._summary(train_loss, test_loss, train_time_s(), stopped_early=stopped_early,
-                                 preempted=preempted, evaluator=evaluator,
-                                 stop_reason="max_wall_time" if out_of_time else None)
+            out = ending.preempted or ending.out_of_time
+            test_loss = None if out else evaluator.test(self.train_engine, self.state.step)
+            return self._summary(train_loss, test_loss, clock.train_time_s(), stopped_early=ending.stopped_early,
+                                 preempted=ending.preempted, evaluator=evaluator,
+                                 stop_reason="max_wall_time" if ending.out_of_time else None)
+
+    def _step(self, timer: IterationTimer, clock: WallClock) -> StepOutcome:
+        """Train one step and count it in the train state."""
+        with self._aside(timer):  # an engine rebuild at a freeze-schedule boundary is no step's time
+            self._enter_freeze_stage(self.cfg.train.freeze_stage_at(self.state.step))
+        ds_engine = self.train_engine.ds_engine
+        self.train_engine.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
+        skipped_before = ds_engine.skipped_steps
+        loss = self._train_step(self.state.step)
+        clock.step_took(timer.lap())
+        skipped = ds_engine.skipped_steps > skipped_before
+        spike = self.guard.take() if self.guard is not None else None
+        outcome = StepOutcome(loss, "non-finite" if skipped else (spike.reason if spike else None), spike)
+        state = self.state
+        state.step += 1
+        state.tokens_seen += self.cfg.tokens_per_step
+        state.skipped_steps += int(skipped)
+        state.spike_skips += int(spike is not None)
+        state.consecutive_skips = state.consecutive_skips + 1 if outcome.skip_reason else 0
+        if self.window is not None:
+            state.spike_window = self.window.state_dict()
+        return outcome
+
+    def _record(self, outcome: StepOutcome, timer: IterationTimer, logger: MetricsLogger) -> None:
+        """Log the step when due: its loss leaves the device (a collective) only then."""
+        state, skipped = self.state, outcome.skip_reason is not None
+        if logger.due(state.step, skipped):
+            outcome.mean_loss = self._mean_loss(outcome.loss)
+            seconds, steps = timer.window()  # the steps since the last record, the device synchronised
+            logger.train_step(
+                state.step, outcome.mean_loss, seconds, window_steps=steps, skipped=skipped,
+                skipped_steps=state.skipped_steps,
+                lr=self.train_engine.scheduler.get_lr(self.train_engine.ds_engine.optimizer.param_groups[0]),
+                grad_norm=self.guard.norm if outcome.spike else self._grad_norm(),
+                trainable_params=self.param_counts[0], layer_grad_norms=self.layer_grad_norms,
+                skip_reason=outcome.skip_reason, spike_skips=state.spike_skips, restarts=len(self.restarts),
+                hangs=self.hangs, rewinds=len(state.rewinds))
+        if outcome.spike is not None:
+            spike = outcome.spike
+            logger.event(state.step, "spike", {"reason": spike.reason, "value": spike.value, "bound": spike.bound})
+        logger.step_done(state.step)
+        if self.watchdog is not None:
+            self.watchdog.beat(state.step)
+
+    def _after_step(self, timer: IterationTimer, clock: WallClock, evaluator: Evaluator, preemption: Preemption,
+                    diverged: bool) -> Ending:
+        """Evaluate, agree on stopping (a signal, the wall time) and save as due."""
+        state = self.state
+        with self._aside(timer):
+            stopped_early = not diverged and evaluator.after_step(self.train_engine, state)
+        preempted, out_of_time, save_due = preemption.agreed(clock.out_of_time(), clock.save_due())
+        final = state.step == self.cfg.train.steps or diverged or stopped_early or preempted or out_of_time
+        state.train_time_s = clock.train_time_s()
+        with self._aside(timer):
+            started = time.monotonic()
+            if self.checkpointer.save_if_due(self.train_engine, state, final=final, by_time=save_due):
+                clock.saved(time.monotonic() - started)
+        return Ending(stopped_early, preempted, out_of_time, final)
+
+    def _final_loss(self, outcome: Optional[StepOutcome]) -> float:
+        """The last step's data-parallel mean loss (reduced now if it was not logged); NaN without a step."""
+        if outcome is None:
+            return float("nan")
+        return outcome.mean_loss if outcome.mean_loss is not None else self._mean_loss(outcome.loss)
+
+    def _stopped(self, outcome: StepOutcome, timer: IterationTimer, clock: WallClock) -> TrainingStopped:
+        """Too many skipped steps in a row, with no rewind left: the run stops (its checkpoint is saved)."""
+        state, rewind = self.state, self.cfg.stability.rewind
+        train_loss = self._final_loss(outcome)
+        with self._aside(timer):
+            summary = self._summary(train_loss, None, clock.train_time_s(),
+                                    stop_reason="diverged" if rewind.enabled else "skipped steps")
+        used = (f"; {len(state.rewinds)} rewinds (stability.rewind.max_rewinds) did not help"
+                if rewind.enabled else "")
+        what = ("had non-finite loss or gradients" if outcome.skip_reason == "non-finite"
+                else f"were skipped (the last: {outcome.skip_reason})")
+        return TrainingStopped(
+            f"{state.consecutive_skips} consecutive steps {what} (step {state.step}){used}; stopped, "
+            f"last good state saved in {self.run_dir.checkpoints}", summary)
 
     def _summary(self, train_loss: float, test_loss: Optional[float], wall_time_s: float, *,
                  stopped_early: bool = False, preempted: bool = False, evaluator: Optional[Evaluator] = None,
@@ -357,7 +333,7 @@ class Trainer:
             trainable_params=trainable, frozen_params=frozen, allocated_by_rank=self._allocated_by_rank(),
             final_valid_loss_by_source=evaluator.last_valid_loss_by_source if evaluator else None,
             final_test_loss_by_source=evaluator.test_loss_by_source if evaluator and test_loss is not None else None,
-            stop_reason=stop_reason, spike_skips=state.spike_skips, restarts=self.restarts, hangs=self.hangs,
+            stop_reason=stop_reason, spike_skips=state.spike_skips, restarts=len(self.restarts), hangs=self.hangs,
             rewinds=list(state.rewinds))
 
     # ------------------------------------------------------------------ rewinds
@@ -373,10 +349,14 @@ class Trainer:
             dist.broadcast_object_list(chosen, src=0)
         return chosen[0]
 
+    def _may_rewind(self) -> bool:
+        rewind = self.cfg.stability.rewind
+        return rewind.enabled and len(self.state.rewinds) < rewind.max_rewinds
+
     def _rewind(self, logger: MetricsLogger, reason: Optional[str]) -> bool:
         """Reload the newest checkpoint from before the current run of skipped steps and skip the batches
         that led to it; False when there is no such checkpoint (the run then stops)."""
-        before, rewind = self.state, self.cfg.train.rewind
+        before, rewind = self.state, self.cfg.stability.rewind
         first_skipped_step = before.step - before.consecutive_skips + 1
         tag = self._checkpoint_before(first_skipped_step)
         if tag is None:
@@ -391,7 +371,7 @@ class Trainer:
         # steps between the checkpoint and them train again on their own batches.
         skip = max(rewind.skip_batches, before.consecutive_skips)
         start = max(back_to, before.step - skip)  # the (0-based) step that reads the first batch after them
-        first_batch = after.data_position(start) + 1  # 1-based, as the batches of inject_faults
+        first_batch = after.data_position(start) + 1  # 1-based, as the batches of a loss fault
         record = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                   "at_step": before.step, "first_skipped_step": first_skipped_step, "reason": reason,
                   "checkpoint": tag, "back_to_step": back_to, "skipped_batches": [first_batch, first_batch + skip - 1]}

@@ -4,7 +4,7 @@ and ends the process with its own status, so that the job's supervisor restarts 
 The loop `beat()`s after every step. The clock starts at the first beat of a segment, so start-up
 (imports, rendezvous, building the engine, loading a checkpoint, the first step's compilation) never
 counts; evaluation, checkpoint saves and loads and engine rebuilds run `paused()`. A hang there is
-left to the collective timeout (train.collective_timeout_s, above the watchdog's by validation). The
+left to the collective timeout (supervision.collective_timeout_s, above the watchdog's by validation). The
 watchdog is a Python thread: a rank blocked in a collective (a stopped or dead peer) releases the
 interpreter lock there, so the thread runs; the stopped peer itself cannot, and the supervisor kills it.
 """
@@ -74,7 +74,8 @@ class Watchdog:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             f.write(f"rank {self.rank} (pid {os.getpid()} on {platform.node()}) finished no step for {waited:.1f} s "
-                    f"after step {self.step} (train.hang_timeout_s={self.timeout_s:g}); every thread's stack:\n\n")
+                    f"after step {self.step} (supervision.hang_timeout_s={self.timeout_s:g}); "
+                    "every thread's stack:\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.flush()

@@ -23,7 +23,7 @@ from pretrain.checkpoint.consolidate import (
     consolidated_state_dict,
     pipeline_layer_file_stage,
 )
-from pretrain.config import FreezeStage
+from pretrain.config import FreezeStage, read_run_config
 from pretrain.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
@@ -55,7 +55,7 @@ def latest_checkpoint(run_dir):
 
 def consolidate(run_dir, cfg=None):
     rd = RunDir(run_dir)
-    return consolidated_state_dict(cfg or rd.read_config(), latest_checkpoint(run_dir))
+    return consolidated_state_dict(cfg or read_run_config(rd), latest_checkpoint(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def build_tp1_model(run_dir):
     created = not dist.is_initialized()
     init_distributed(1, 1, backend="gloo")
     try:
-        return build_staged_gpt(RunDir(run_dir).read_config().model, ParallelConfig())
+        return build_staged_gpt(read_run_config(RunDir(run_dir)).model, ParallelConfig())
     finally:
         if created:
             destroy_distributed()
@@ -159,7 +159,7 @@ def test_bf16_returns_the_fp32_master_weights(consolidated, reference_state, tp1
 
 def test_pipeline_layer_files_name_their_stages(runs, reference):
     checkpoint = latest_checkpoint(runs["pp2-zero1"])
-    cfg = RunDir(runs["pp2-zero1"]).read_config()
+    cfg = read_run_config(RunDir(runs["pp2-zero1"]))
     found = {p.name: pipeline_layer_file_stage(p, stage_specs(cfg.model, cfg.parallel))
              for p in checkpoint.glob("layer_*")}
     assert found == {  # the tied gpt2 output stage (index 4) has no file of its own
@@ -174,7 +174,7 @@ def test_pipeline_layer_files_name_their_stages(runs, reference):
                                   "layer_05-model_00-model_states.pt", "layer_01-model_states.pt",
                                   "layer_01-model_00-model_states.pt.tmp"])
 def test_unknown_pipeline_file_names_are_rejected(reference, name):
-    cfg = RunDir(reference).read_config()
+    cfg = read_run_config(RunDir(reference))
     with pytest.raises(ValueError, match=re.escape(name)):
         pipeline_layer_file_stage(f"/ckpt/step00000006/{name}", stage_specs(cfg.model, cfg.parallel))
 
@@ -215,11 +215,11 @@ def test_trained_q_is_taken_from_the_checkpoint(runs, tmp_path):
     """A Q that was trainable in some step is an ordinary weight: the stored value, unchecked."""
     tampered = tampered_copy(runs["dp2-zero1"], "dp2-zero1", tmp_path / "run")
     stored = torch.load(latest_checkpoint(tampered) / "mp_rank_00_model_states.pt", weights_only=False)["module"][Q1]
-    cfg = RunDir(tampered).read_config()
+    cfg = read_run_config(RunDir(tampered))
     cfg.model.attention.train_q = True
     assert torch.equal(consolidate(tampered, cfg).state_dict[Q1], stored)
 
-    cfg = RunDir(tampered).read_config()  # layer 1's Q trainable from step 3 of 6 on
+    cfg = read_run_config(RunDir(tampered))  # layer 1's Q trainable from step 3 of 6 on
     cfg.train.freeze_schedule = [FreezeStage(0.0, "all", "all"), FreezeStage(0.5, [2], "all")]
     assert torch.equal(consolidate(tampered, cfg).state_dict[Q1], stored)
     cfg.train.freeze_schedule = [FreezeStage(0.0, "all", "all"), FreezeStage(0.9, [2], "all")]  # not reached

@@ -150,7 +150,7 @@ def test_variants_without_hf_architecture_are_refused_before_writing(tmp_path, a
     config = write_config(tmp_path)
     run_dir = RunDir(tmp_path / "run")
     overrides = [f"model.attention.type={attention}", "model.attention.synthesizer_rank=4"]
-    run_dir.write_run_files(to_dict(load_run_config(str(config), overrides)), {}, {})
+    run_dir.write_config(to_dict(load_run_config(str(config), overrides)))
     with pytest.raises(ExportError, match="no Hugging Face architecture"):
         export(run_dir, tmp_path / "out")
     assert main(["--run-dir", str(run_dir.path), "--output", str(tmp_path / "out")]) == 2

@@ -21,7 +21,7 @@ from pretrain.run_dir import RunDir
 def run_dir(tmp_path):
     """A run dir as the trainer starts it (config only, no checkpoint yet), plus a file of the user's."""
     run = RunDir(tmp_path / "runs" / "mine")
-    run.write_run_files(to_dict(load_run_config(str(write_config(tmp_path)))), {}, {})
+    run.write_config(to_dict(load_run_config(str(write_config(tmp_path)))))
     (run.path / "notes.txt").write_text("mine")
     return run
 

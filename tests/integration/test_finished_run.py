@@ -13,7 +13,7 @@ import pytest
 from distributed import free_port
 from pretrain_runs import REPO, command, env, keep_environment, write_config
 
-from pretrain import pretrain_ora
+from pretrain import pretrain_ora, start
 from pretrain.config import load_run_config
 from pretrain.run_dir import RunDir
 
@@ -89,4 +89,4 @@ def test_an_early_stopped_run_is_finished_until_its_early_stopping_changes(finis
     assert _snapshot(finished) == before
     cfg = load_run_config(str(config), ["train.steps=12", "train.early_stopping.enabled=true",
                                         "train.early_stopping.patience=20"])
-    assert pretrain_ora.nothing_to_train(RunDir(finished), "step00000006", cfg) is None
+    assert start.nothing_to_train(RunDir(finished), "step00000006", cfg.train) is None

@@ -1,4 +1,4 @@
-"""train.init_from end to end: an export imported again computes its source's logits at TP1 and TP2,
+"""init_from.path end to end: an export imported again computes its source's logits at TP1 and TP2,
 and a run started from imported weights resumes like an uninterrupted one, without importing again."""
 
 from __future__ import annotations
@@ -16,8 +16,15 @@ from ora_megatron.config_io import to_dict
 from ora_megatron.parallel import destroy_distributed
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.consolidate import consolidated_state_dict, load_trained_model, tp1_parallel_state
-from pretrain.checkpoint.init_from import plan_import
-from pretrain.config import DeepSpeedConfig, ParallelConfig, RunConfig, load_run_config, validate_for_world
+from pretrain.checkpoint.import_plan import plan_import
+from pretrain.config import (
+    DeepSpeedConfig,
+    ParallelConfig,
+    RunConfig,
+    load_run_config,
+    read_run_config,
+    validate_for_world,
+)
 from pretrain.export.convert_to_hf import export
 from pretrain.paths import REPO
 from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
@@ -38,7 +45,7 @@ def exported(reference, tmp_path_factory):
 
 
 def importing(config_dir, export_dir, *overrides: str) -> RunConfig:
-    return load_run_config(str(write_config(config_dir)), [f"train.init_from={export_dir}", *overrides])
+    return load_run_config(str(write_config(config_dir)), [f"init_from.path={export_dir}", *overrides])
 
 
 def engine_logits(cfg: RunConfig, state: dict) -> torch.Tensor:
@@ -72,9 +79,9 @@ def _tp2_then_zero3(rank: int, cfg: RunConfig, state: dict) -> list[torch.Tensor
 
 
 @pytest.mark.parametrize("source, target", [
-    ("export", ["model.attention.type=vanilla"]), ("export", ["train.init_from_qk=draw"]),
-    ("export", ["train.init_from_qk=imported"]), ("run dir", ["model.attention.type=vanilla"]),
-    ("checkpoint", ["train.init_from_qk=imported"])],
+    ("export", ["model.attention.type=vanilla"]), ("export", ["init_from.qk=draw"]),
+    ("export", ["init_from.qk=imported"]), ("run dir", ["model.attention.type=vanilla"]),
+    ("checkpoint", ["init_from.qk=imported"])],
     ids=["export-vanilla", "export-ora-draw", "export-ora-imported", "run-dir-vanilla", "checkpoint-ora-imported"])
 def test_an_import_at_tp1_computes_its_source(exported, reference, tmp_path, source, target):
     """From the export, the run dir, or its last checkpoint: the source model's logits."""
@@ -95,7 +102,7 @@ def test_an_import_at_tp1_computes_its_source(exported, reference, tmp_path, sou
 
 def test_an_export_imported_at_tp2_and_under_zero3_computes_its_source(exported, tmp_path):
     logits, export_dir = exported
-    plan = plan_import(importing(tmp_path, export_dir, "train.init_from_qk=imported"))
+    plan = plan_import(importing(tmp_path, export_dir, "init_from.qk=imported"))
     for rank in run_on_ranks(_tp2_then_zero3, 2, plan.cfg, plan.state, tensor=2):
         for got in rank:
             assert (got - logits).abs().max() <= 1e-5
@@ -128,11 +135,11 @@ def test_a_run_started_from_imported_weights_resumes_like_an_uninterrupted_one(h
     """GPT-2's weights under ORA's frozen Q/K (imported): the uninterrupted run and one stopped at step 3
     and resumed (its source gone by then) log the same losses; the frozen Q/K stay the imported ones."""
     source, weights = hf_gpt2
-    overrides = [f"train.init_from={source}", "train.init_from_qk=imported"]
+    overrides = [f"init_from.path={source}", "init_from.qk=imported"]
     whole = trained_runs.trained(overrides)
     record = RunDir(whole).read_init_from()
     assert record["qk"] == "imported" and record["taken_over"] == {"model.activation": [None, "gelu_tanh"]}
-    assert RunDir(whole).read_config().model.activation == "gelu_tanh"
+    assert read_run_config(RunDir(whole)).model.activation == "gelu_tanh"
 
     write_config(tmp_path, TINY_RUN)
     resumed = tmp_path / "run"
@@ -156,7 +163,7 @@ def test_a_run_started_from_imported_weights_resumes_like_an_uninterrupted_one(h
     assert sorted(got) == list(range(1, 7))
     for step in range(4, 7):
         assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), step
-    cfg = run.read_config()
+    cfg = read_run_config(run)
     state = consolidated_state_dict(cfg, run.checkpoint(checkpoint_tag(6))).state_dict
     c_attn = weights["transformer.h.0.attn.c_attn.weight"].t()
     assert torch.equal(state["layer1.layer.self_attention.linear_qkv.q_weight"], c_attn[:64])

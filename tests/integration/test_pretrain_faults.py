@@ -150,7 +150,7 @@ def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_
     config = write_config(tmp_path)
     run_dir = tmp_path / "poisoned"
     run(config, run_dir, [f"deepspeed.zero_stage={zero_stage}", f"deepspeed.precision={precision}",
-                          "train.inject_nonfinite_loss_steps=[3,4]", "checkpoint.save_interval=1",
+                          "faults=[{kind: nan, batch: 3}, {kind: nan, batch: 4}]", "checkpoint.save_interval=1",
                           "checkpoint.keep_last=10"], nproc=nproc)
     steps = {r.step: r for r in records(run_dir)}
     assert steps[2].skipped_steps == 0 and steps[4].skipped_steps == 2 and steps[6].skipped_steps == 2
@@ -170,10 +170,13 @@ def test_nonfinite_steps_are_skipped_and_leave_weights_untouched(tmp_path, zero_
     assert all(torch.isfinite(v).all() for v in after_5.values() if v.is_floating_point())
 
 
+NAN_AT_2_TO_5 = "faults=[" + ", ".join(f"{{kind: nan, batch: {b}}}" for b in range(2, 6)) + "]"
+
+
 def test_consecutive_nonfinite_steps_stop_with_a_checkpoint(tmp_path):
     config = write_config(tmp_path)
     run_dir = tmp_path / "diverged"
-    out = run(config, run_dir, ["train.inject_nonfinite_loss_steps=[2,3,4,5]", "train.max_consecutive_skips=3"],
+    out = run(config, run_dir, [NAN_AT_2_TO_5, "stability.max_consecutive_skips=3"],
               check=False)
     assert out.returncode == 3
     assert "3 consecutive steps had non-finite" in out.stderr
@@ -185,7 +188,7 @@ def test_consecutive_nonfinite_steps_stop_with_a_checkpoint(tmp_path):
 def test_a_dead_rank_ends_the_run_in_bounded_time(tmp_path):
     config = write_config(tmp_path)
     run_dir = tmp_path / "rank_dies"
-    proc = subprocess.Popen(command(config, run_dir, [LONG, "train.collective_timeout_s=30"], nproc=2),
+    proc = subprocess.Popen(command(config, run_dir, [LONG, "supervision.collective_timeout_s=30"], nproc=2),
                             cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     wait_for_step(run_dir, 3, proc)

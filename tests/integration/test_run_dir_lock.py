@@ -22,7 +22,8 @@ from pretrain.research.sweep.__main__ import main as sweep_main
 from pretrain.research.sweep.runner import DoneSincePlanned, start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
 from pretrain.research.sweep.state import Task, run_state, started_record
-from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, Summary, config_hash
+from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, config_hash
+from pretrain.run_records import Summary
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
 HOLDER = ("import sys, time\nfrom pretrain.run_dir import RunDir\n"

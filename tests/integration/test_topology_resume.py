@@ -32,6 +32,7 @@ from pretrain_runs import (
 
 from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
+from pretrain.config import read_run_config
 from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed
@@ -72,7 +73,7 @@ def converted_states(run_dir, tag: str = "step00000006") -> dict:
     """{name: {fp32, exp_avg, exp_avg_sq, step}} of a checkpoint, via the conversion under test."""
     rd = RunDir(run_dir)
     if not reshard.is_converted(rd, tag):
-        reshard.convert_checkpoint(rd, tag, rd.read_config(), reshard.checkpoint_topology(rd, tag))
+        reshard.convert_checkpoint(rd, tag, read_run_config(rd), reshard.checkpoint_topology(rd, tag))
     params = reshard.converted_dir(rd, tag) / "params"
     return {p.stem: torch.load(p, weights_only=True) for p in params.glob("*.pt")}
 

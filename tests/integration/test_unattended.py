@@ -34,8 +34,8 @@ pytestmark = pytest.mark.distributed
 SBATCH = REPO / "launch" / "slurm" / "pretrain_ora.sbatch"
 # The watchdog far above a step's time on a loaded machine (evaluations and saves are not counted), the
 # collective timeout above it, restarts without a long backoff (one node: no old rank elsewhere to wait for).
-UNATTENDED = ["train.max_restarts=2", "train.restart_backoff_s=0.5", "train.hang_timeout_s=15",
-              "train.collective_timeout_s=90"]
+UNATTENDED = ["supervision.max_restarts=2", "supervision.restart_backoff_s=0.5", "supervision.hang_timeout_s=15",
+              "supervision.collective_timeout_s=90"]
 
 
 def test_killed_and_hung_workers_restart_the_job_which_finishes_as_if_uninterrupted(trained_runs, tmp_path):
@@ -43,7 +43,7 @@ def test_killed_and_hung_workers_restart_the_job_which_finishes_as_if_uninterrup
     watchdog writes the stacks and exits, the supervisor kills the stopped rank, the job restarts again.
     The 60 steps (two freeze-schedule engine rebuilds, ZeRO-1) log bitwise the uninterrupted losses."""
     reference = trained_runs.trained(PARTIAL_FROZEN, nproc=2)
-    faults = "train.inject_faults=[{kind: kill, step: 10, rank: 1}, {kind: stop, step: 40, rank: 0, attempt: 1}]"
+    faults = "faults=[{kind: kill, step: 10, rank: 1}, {kind: stop, step: 40, rank: 0, attempt: 1}]"
     run_dir = tmp_path / "unattended"
     out = subprocess.run(command(write_config(tmp_path), run_dir, [*PARTIAL_FROZEN, *UNATTENDED, faults], nproc=2),
                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
@@ -71,19 +71,20 @@ def test_killed_and_hung_workers_restart_the_job_which_finishes_as_if_uninterrup
     assert records(run_dir)[-1].restarts == 2
 
 
-SKIP_STEP = ["train.steps=16", "checkpoint.save_interval=4", "train.spike_skip={enabled: true, window: 8, sigma: 3}",
-             "train.inject_faults=[{kind: spike, batch: 12, factor: 100}]"]
-PREEMPTED_AT_9 = "train.inject_faults=[{kind: spike, batch: 12, factor: 100}, {kind: preempt, step: 9}]"
+SKIP_STEP = ["train.steps=16", "checkpoint.save_interval=4",
+             "stability.spike_skip={enabled: true, window: 8, sigma: 3}",
+             "faults=[{kind: spike, batch: 12, factor: 100}]"]
+PREEMPTED_AT_9 = "faults=[{kind: spike, batch: 12, factor: 100}, {kind: preempt, step: 9}]"
 # Non-finite losses at batches 6 and 7 (2 skipped steps in a row): back to the checkpoint of step 4;
 # step 5 trains on its batch again, batches 6 and 7 are skipped.
-REWIND = ["train.steps=12", "checkpoint.save_interval=4", "checkpoint.keep_last=3", "train.max_consecutive_skips=2",
-          "train.rewind={enabled: true, skip_batches: 2, max_rewinds: 2}",
-          "train.inject_faults=[{kind: nan, batch: 6}, {kind: nan, batch: 7}]"]
-NO_CHECKPOINT_BEFORE = ["train.steps=12", "checkpoint.save_interval=4", "train.max_consecutive_skips=2",
-                        "train.rewind={enabled: true}",
-                        "train.inject_faults=[{kind: nan, batch: 2}, {kind: nan, batch: 3}]"]
+REWIND = ["train.steps=12", "checkpoint.save_interval=4", "checkpoint.keep_last=3", "stability.max_consecutive_skips=2",
+          "stability.rewind={enabled: true, skip_batches: 2, max_rewinds: 2}",
+          "faults=[{kind: nan, batch: 6}, {kind: nan, batch: 7}]"]
+NO_CHECKPOINT_BEFORE = ["train.steps=12", "checkpoint.save_interval=4", "stability.max_consecutive_skips=2",
+                        "stability.rewind={enabled: true}",
+                        "faults=[{kind: nan, batch: 2}, {kind: nan, batch: 3}]"]
 # The job started long ago (ORA_JOB_START=0 in that process): out of time after the first step.
-OUT_OF_TIME = [LONG, "train.max_wall_time=1"]
+OUT_OF_TIME = [LONG, "supervision.max_wall_time=1"]
 # A save every millisecond, and by steps never: every step saves.
 SAVED_BY_TIME = ["train.steps=4", "checkpoint.save_interval=100", "checkpoint.save_interval_s=0.001",
                  "checkpoint.keep_last=10"]
@@ -99,7 +100,7 @@ def in_one_process(tmp_path_factory) -> dict:
                  "out of time": (OUT_OF_TIME, 1), "saved by time": (SAVED_BY_TIME, 1)}
     specs = [(str(root / name.replace(" ", "_")), overrides, segments)
              for name, (overrides, segments) in trainings.items()]
-    os.environ["ORA_JOB_START"] = "0"  # inherited by the training process; read by train.max_wall_time only
+    os.environ["ORA_JOB_START"] = "0"  # inherited by the training process; read by supervision.max_wall_time only
     try:
         (results,) = run_on_ranks(trainings_in_one_process, 1, str(write_config(root)), specs)
     finally:
@@ -162,7 +163,7 @@ def test_the_time_limit_signal_saves_a_checkpoint_stops_and_requeues_the_job(tmp
     variables = {**env(), **one_node_job(tmp_path, LAUNCH), "PYTHONPATH": str(REPO), "RUN_DIR": str(run_dir),
                  "REQUEUED": str(requeued)}
     job = subprocess.Popen(["bash", str(SBATCH), str(write_config(tmp_path)), "--set", LONG,
-                            "--set", "train.max_restarts=1"], cwd=REPO, env=variables, stdout=subprocess.PIPE,
+                            "--set", "supervision.max_restarts=1"], cwd=REPO, env=variables, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(run_dir, 3, job)

@@ -26,7 +26,7 @@ from pretrain.checkpoint import reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, _rng_state, _set_rng_state
 from pretrain.checkpoint.consolidate import consolidated_state_dict
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile, safe_load
-from pretrain.config import validate_for_world
+from pretrain.config import read_run_config, validate_for_world
 from pretrain.export import convert_to_hf
 from pretrain.run_dir import RunDir
 from pretrain.runtime.engine import build_engine
@@ -83,7 +83,7 @@ def test_consolidation_refuses(trained_runs, tmp_path, marker):
     run_dir = received(trained_runs.trained(ZERO1, nproc=2), tmp_path)
     path = plant(run_dir, ZERO_OPTIMIZER_STATES, marker)
     with pytest.raises(UnsafeCheckpointFile, match=path):
-        consolidated_state_dict(run_dir.read_config(), run_dir.checkpoint(run_dir.latest_checkpoint()))
+        consolidated_state_dict(read_run_config(run_dir), run_dir.checkpoint(run_dir.latest_checkpoint()))
 
 
 def test_export_refuses(reference, tmp_path, marker, capsys):
@@ -104,7 +104,7 @@ def test_topology_conversion_refuses(trained_runs, tmp_path, marker, overrides, 
     path = plant(run_dir, name, marker)
     tag = run_dir.latest_checkpoint()
     with pytest.raises(UnsafeCheckpointFile, match=path):
-        reshard.convert_checkpoint(run_dir, tag, run_dir.read_config(), reshard.checkpoint_topology(run_dir, tag))
+        reshard.convert_checkpoint(run_dir, tag, read_run_config(run_dir), reshard.checkpoint_topology(run_dir, tag))
     assert not reshard.converted_dir(run_dir, tag).exists()
 
 
@@ -119,13 +119,13 @@ def one_process_group():
 @pytest.fixture(scope="module")
 def train_engine(reference, one_process_group):
     """A training engine for the reference run's config (ZeRO-0, fp32), built once."""
-    cfg = RunDir(reference).read_config()
+    cfg = read_run_config(RunDir(reference))
     return build_engine(cfg, validate_for_world(cfg, 1))
 
 
 def load_latest(run_dir: RunDir, train_engine) -> None:
     """What the training worker does on resume (Trainer.resume, same topology)."""
-    checkpointer = Checkpointer(run_dir, run_dir.read_config().checkpoint)
+    checkpointer = Checkpointer(run_dir, read_run_config(run_dir).checkpoint)
     tag = checkpointer.latest()
     checkpointer.load(train_engine, tag, checkpointer.read_state(tag))
 

@@ -15,14 +15,20 @@ from pretrain_runs import REPO
 # Lowest first. Units on one floor are siblings: neither imports the other.
 FLOORS = [
     ("ora_megatron", "data_tools"),  # the model; corpus tooling (the training side reads its manifest)
-    ("pretrain.paths", "pretrain.extras", "pretrain.config"),  # the repository's files; extras; the typed run config
-    ("pretrain.run_dir", "pretrain.environment"),
+    # The repository's files, exit statuses, the parallel layout, the stability section and its step guard,
+    # which extras a command needs.
+    ("pretrain.paths", "pretrain.exit_status", "pretrain.parallel_layout", "pretrain.stability", "pretrain.extras"),
+    ("pretrain.run_records",),  # what a run dir holds, typed
+    ("pretrain.run_dir",),
     ("pretrain.supervision",),  # launching, watching and restarting a job's ranks
-    ("pretrain.runtime",),  # engine, data, loss, optimizer, metrics, freeze schedules
-    ("pretrain.checkpoint",),  # save, resume, reshard, consolidate
-    ("pretrain.training",),  # the loop and evaluation
+    ("pretrain.faults", "pretrain.init_from"),  # config sections beside what reads them
+    ("pretrain.config",),  # the typed run config, assembled from its sections
+    ("pretrain.runtime", "pretrain.environment"),  # engine, data, loss, optimizer, metrics, freeze schedules
+    ("pretrain.checkpoint",),  # save, resume, reshard, consolidate, weights in
+    ("pretrain.start", "pretrain.export"),  # a run's start resolved before workers; checkpoints out
+    ("pretrain.training",),  # the worker, the loop and evaluation
+    ("pretrain.launch",),  # the entry's own spawn; launch/pretrain_ora.sh around DeepSpeed's launcher
     ("pretrain.pretrain_ora",),  # the entry point
-    ("pretrain.export", "pretrain.launch"),
     ("pretrain.research", "pretrain.quickstart", "pretrain.config_docs"),
 ]
 PACKAGES = ("ora_megatron", "data_tools", "pretrain")

@@ -10,9 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain import pretrain_ora
-from pretrain.paths import REPO
-from pretrain.pretrain_ora import ENTRY_MODULE
+from pretrain import pretrain_ora, start
+from pretrain.paths import ENTRY_MODULE, REPO
 from pretrain.run_dir import RunDir
 
 TINY_RUN = """
@@ -83,7 +82,7 @@ def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[s
 def keep_environment(monkeypatch) -> None:
     """The entry, run in this process, leaves this process's environment as it is: main() would set
     the offline variables in it (config.keep_offline)."""
-    monkeypatch.setattr(pretrain_ora, "keep_offline", lambda wandb_mode: None)
+    monkeypatch.setattr(start, "keep_offline", lambda wandb_mode: None)
 
 
 def forbid_workers(monkeypatch) -> None:
@@ -92,9 +91,12 @@ def forbid_workers(monkeypatch) -> None:
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
 
+    from pretrain.training import worker
+
     keep_environment(monkeypatch)
-    monkeypatch.setattr(pretrain_ora, "_launch_local", started)
-    monkeypatch.setattr(pretrain_ora, "worker", started)
+    monkeypatch.setattr(pretrain_ora, "spawn_workers", started)
+    for name in ("train_worker", "launched_worker"):
+        monkeypatch.setattr(worker, name, started)
 
 
 def env() -> dict:

@@ -29,7 +29,7 @@ def workers_of(proc) -> list[int]:
 
 def kill_job(proc) -> None:
     """SIGKILL the launcher, as the OOM killer or a machine failure would. Its workers, which torchrun
-    starts in their own sessions, must die with it (pretrain_ora.die_with_launcher) rather than
+    starts in their own sessions, must die with it (supervision.die_with_launcher) rather than
     train on beside the job that resumes the run."""
     workers = workers_of(proc)
     assert workers, "no workers to kill"

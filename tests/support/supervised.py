@@ -24,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pretrain.run_dir import RunDir, TrainRecord, checkpoint_tag  # noqa: E402
+from pretrain.run_dir import RunDir, checkpoint_tag  # noqa: E402
+from pretrain.run_records import TrainRecord  # noqa: E402
 from pretrain.supervision import Attempt, RestartPolicy, Supervisor, become_subreaper  # noqa: E402
 
 WORKERS = {

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pretrain.run_dir import EvalRecord, ExperimentRecord, RunDir, Summary, TrainRecord
+from pretrain.run_dir import RunDir
+from pretrain.run_records import EvalRecord, ExperimentRecord, Summary, TrainRecord
 
 
 def train_record(step: int, step_time_s: float = 0.1, grad_norm: float = 0.5, peak_mem_bytes: int = 2**30,
@@ -30,7 +31,7 @@ def write_run(root: Path, arm: str, seed: int, *, final_loss: float | None = Non
         experiment_id=f"spec/{arm}/seed{seed}", method=arm, seed=seed, start_time="2026-01-01T00:00:00",
         model_config=dict(model or {}), training_config={}, results={}, notes="", status=status, exit_code=exit_code,
         log_tail=log_tail, config_hash="0" * 64, git_revision=git_revision))
-    run_dir.write_run_files({"optimizer": {"clip_grad": clip_grad}, **({"model": model} if model else {})}, {}, {})
+    run_dir.write_config({"optimizer": {"clip_grad": clip_grad}, **({"model": model} if model else {})})
     curve = curve or ([(10, 4.0), (20, final_loss)] if final_loss is not None else [])
     metrics = run_dir.open_metrics()
     for record in list(train or [train_record(10), train_record(20)]) + [valid_record(s, v) for s, v in curve]:

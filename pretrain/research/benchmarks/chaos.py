@@ -9,8 +9,8 @@ process faults (the reference), once with faults at seeded steps: SIGKILL of a w
 OOM killer), SIGSTOP of a worker (a hang: a rank's watchdog reports it), a SIGTERM to the job (a
 preemption: the job saves and ends; this script then runs the same command again, as a requeuing
 scheduler would). Loss faults are data, in both runs alike: a loss spike at a seeded batch (skipped,
-train.spike_skip) and non-finite losses at train.max_consecutive_skips batches in a row (a divergence:
-rewound past them, train.rewind). Both runs use the same unattended settings (restarts, watchdog,
+stability.spike_skip) and non-finite losses at stability.max_consecutive_skips batches in a row (a divergence:
+rewound past them, stability.rewind). Both runs use the same unattended settings (restarts, watchdog,
 skip-step, rewind, a checkpoint every --save-interval steps).
 
 It reports whether the chaos run finished, the human actions it needed (a job that ended for good
@@ -69,7 +69,7 @@ class Fault:
     attempt: int = 0  # which attempt of that job (a kill or a hang restarts it)
 
     def overrides(self, streak: int) -> list[dict]:
-        """Its entries of train.inject_faults."""
+        """Its entries of faults."""
         if self.kind == "spike":
             return [{"kind": "spike", "batch": self.step, "factor": 100.0}]
         if self.kind == "nan":
@@ -104,17 +104,17 @@ def plan_faults(seed: int, steps: int, kinds: list[str], nproc: int) -> list[Fau
 def common_overrides(args: argparse.Namespace) -> list[str]:
     return [f"train.steps={args.steps}", "data.mock=true", "data.manifest=null", "logging.wandb_mode=disabled",
             "logging.tensorboard=false", "logging.progress=false", f"checkpoint.save_interval={args.save_interval}",
-            "checkpoint.keep_last=3", f"train.max_restarts={args.max_restarts}", "train.restart_backoff_s=1",
-            f"train.hang_timeout_s={args.hang_timeout}",
-            f"train.collective_timeout_s={int(max(4 * args.hang_timeout, 120))}",
-            "train.spike_skip={enabled: true, window: 128, sigma: 6.0}",
-            f"train.max_consecutive_skips={args.streak}",
-            f"train.rewind={{enabled: true, skip_batches: {args.rewind_skip}, max_rewinds: 3}}"]
+            "checkpoint.keep_last=3", f"supervision.max_restarts={args.max_restarts}",
+            "supervision.restart_backoff_s=1", f"supervision.hang_timeout_s={args.hang_timeout}",
+            f"supervision.collective_timeout_s={int(max(4 * args.hang_timeout, 120))}",
+            "stability.spike_skip={enabled: true, window: 128, sigma: 6.0}",
+            f"stability.max_consecutive_skips={args.streak}",
+            f"stability.rewind={{enabled: true, skip_batches: {args.rewind_skip}, max_rewinds: 3}}"]
 
 
 def fault_override(faults: list[Fault], streak: int) -> str:
     entries = [entry for fault in faults for entry in fault.overrides(streak)]
-    return "train.inject_faults=" + json.dumps(entries)
+    return "faults=" + json.dumps(entries)
 
 
 @dataclass
@@ -295,10 +295,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default="kill,stop,preempt,spike,nan,kill,stop",
                         help="the faults, by kind (kill, stop, preempt, spike, nan)")
     parser.add_argument("--save-interval", type=int, default=50)
-    parser.add_argument("--hang-timeout", type=float, default=20.0, help="train.hang_timeout_s")
+    parser.add_argument("--hang-timeout", type=float, default=20.0, help="supervision.hang_timeout_s")
     parser.add_argument("--max-restarts", type=int, default=3)
-    parser.add_argument("--streak", type=int, default=3, help="train.max_consecutive_skips: the nan fault's length")
-    parser.add_argument("--rewind-skip", type=int, default=10, help="train.rewind.skip_batches")
+    parser.add_argument("--streak", type=int, default=3, help="stability.max_consecutive_skips: the nan fault's length")
+    parser.add_argument("--rewind-skip", type=int, default=10, help="stability.rewind.skip_batches")
     parser.add_argument("--base-save-s", type=float, default=8.6,
                         help="Base's save: torch.save (7 s) and hashing (1.6 s) of its 1.37 GB checkpoint, "
                              "measured on this machine (RESULTS.md, Where the time goes)")

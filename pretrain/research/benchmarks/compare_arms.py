@@ -65,7 +65,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ora_megatron.builder import padded_vocab_size
 from ora_megatron.config_io import ConfigError
-from ora_megatron.model_config import AttentionType
+from ora_megatron.model_config import AttentionType, ModelConfig
 from ora_megatron.orthogonal import METHODS
 from ora_megatron.summary import train_flops_per_token
 from pretrain.config import RunConfig, load_run_config, validate_for_world
@@ -101,14 +101,15 @@ def arm_config(config: str, overrides: list[str], arm: str) -> tuple[RunConfig, 
     return cfg, validate_for_world(cfg, 1)
 
 
-def synthetic_batches(cfg: RunConfig, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def synthetic_batches(model: ModelConfig, micro_batch_size: int, count: int,
+                      seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """`count` micro-batches of uniform random tokens (the same for every arm of a config)."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (cfg.train.micro_batch_size, cfg.model.seq_length)
+    shape = (micro_batch_size, model.seq_length)
     batches = []
     for _ in range(count):
-        tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
-        labels = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
+        tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
+        labels = torch.randint(0, model.vocab_size, shape, generator=generator)
         batches.append({"tokens": tokens, "labels": labels, "loss_mask": torch.ones(shape)})
     return batches
 
@@ -294,7 +295,7 @@ def run_bench(config: str, overrides: list[str], arm_names: list[str], steps: in
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     configs = [arm_config(config, overrides, name) for name in arm_names]
     first = configs[0][0]
-    batches = synthetic_batches(first, count=4)
+    batches = synthetic_batches(first.model, first.train.micro_batch_size, count=4)
     arms = []
     for name, (cfg, grad_accum) in zip(arm_names, configs):
         arms.append(Arm(name, cfg, grad_accum, build_engine(cfg, grad_accum)))

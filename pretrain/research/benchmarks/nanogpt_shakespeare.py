@@ -49,8 +49,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from pretrain.paths import PRESETS, REPO
-from pretrain.pretrain_ora import ENTRY_MODULE
+from pretrain.paths import ENTRY_MODULE, PRESETS, REPO
 from pretrain.run_dir import RunDir
 
 BLOCK, BATCH = 64, 12

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Sequence
 
+from pretrain.config import read_run_config
 from pretrain.research.report.latex import MARK_KEY
 from pretrain.research.report.runs import Evaluation, RunMeasures, SweepRun
 from pretrain.research.report.stats import FITS, Trend, add_holm, compare_paired, fitted_value
@@ -26,7 +27,7 @@ def run_x(run: SweepRun, quantity: str) -> Optional[float]:
         return summary.trainable_params + summary.frozen_params
     if not run.run_dir.config.exists():
         return None
-    model = run.run_dir.read_config().model
+    model = read_run_config(run.run_dir).model
     return {"head_dim": model.head_dim, "seq_length": model.seq_length, "num_layers": model.num_layers}[quantity]
 
 

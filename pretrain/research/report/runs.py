@@ -15,7 +15,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pretrain.run_dir import EvalRecord, ExperimentRecord, Record, RunDir, TrainRecord
+from pretrain.config import read_run_config
+from pretrain.run_dir import RunDir
+from pretrain.run_records import EvalRecord, ExperimentRecord, Record, TrainRecord
 
 GIB = 2**30
 
@@ -172,7 +174,7 @@ class RunMeasures:
 
 
 def clip_grad_of(run_dir: RunDir) -> Optional[float]:
-    return run_dir.read_config().optimizer.clip_grad if run_dir.config.exists() else None
+    return read_run_config(run_dir).optimizer.clip_grad if run_dir.config.exists() else None
 
 
 def measure_run(run: SweepRun, target: Optional[float], last_k: int) -> RunMeasures:

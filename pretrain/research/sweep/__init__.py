@@ -26,7 +26,7 @@ the model build's seeding the dropout RNG) and `data.seed` (megatron-core's shuf
 the data order follows the seed too); arms of one seed see the same data in the same order, which
 is what makes them paired samples. In the spec's values (not the command line's), `{seed}` in a
 string is the run's seed: an arm that starts from another sweep's run of the same seed names it so
-(`train.init_from: runs/sweeps/baselines/ora/seed{seed}`). Every expanded config is validated for
+(`init_from.path: runs/sweeps/baselines/ora/seed{seed}`). Every expanded config is validated for
 its process count before anything starts; an error names the spec, the arm and the key, and the
 sweep exits 2.
 

@@ -27,7 +27,8 @@ from pretrain.research.sweep.state import (
     run_state,
     started_record,
 )
-from pretrain.run_dir import LOCK_ON_STDIN, ExperimentRecord, RunDirBusy, RunDirLock
+from pretrain.run_dir import LOCK_ON_STDIN, RunDirBusy, RunDirLock
+from pretrain.run_records import ExperimentRecord
 
 POLL_S = 0.2
 
@@ -40,7 +41,7 @@ class DoneSincePlanned(Exception):
 
 
 @dataclass
-class Attempt:
+class TaskAttempt:
     """One start of a run's training or of one of its evaluations: its process, the lock it holds,
     where its part of sweep.log begins."""
 
@@ -73,7 +74,7 @@ def spawn(run: Run, command: list[str], env: dict[str, str], lock: RunDirLock) -
     return process, offset
 
 
-def start(task: Task, launch, env: dict[str, str], revision: str) -> Attempt:
+def start(task: Task, launch, env: dict[str, str], revision: str) -> TaskAttempt:
     """Take the run's lock and start the task's first step: the training (recorded as running first;
     launch(run) -> (command, env)) or its first evaluation (in `env`). RunDirBusy: another job runs in
     it; DoneSincePlanned: another job did that step since this invocation planned it."""
@@ -91,7 +92,7 @@ def start(task: Task, launch, env: dict[str, str], revision: str) -> Attempt:
         record, command, process_env = run.run_dir.read_experiment(), run.evaluation_command(task.evaluations[0]), env
     process, offset = spawn(run, command, process_env, lock)
     evaluation = None if task.train else task.evaluations[0]
-    return Attempt(run, evaluation, record, process, lock, offset, time.time(), task)
+    return TaskAttempt(run, evaluation, record, process, lock, offset, time.time(), task)
 
 
 def outcome(exit_code: int, preempted: Optional[bool], stopping: bool) -> str:
@@ -103,7 +104,7 @@ def outcome(exit_code: int, preempted: Optional[bool], stopping: bool) -> str:
     return "failed"
 
 
-def finish(attempt: Attempt, stopping: bool) -> str:
+def finish(attempt: TaskAttempt, stopping: bool) -> str:
     """Record how the attempt ended (an interrupted training stays "running", an interrupted
     evaluation pending); returns its outcome."""
     if attempt.evaluation is not None:
@@ -121,7 +122,7 @@ def finish(attempt: Attempt, stopping: bool) -> str:
     return state
 
 
-def finish_evaluation(attempt: Attempt, stopping: bool) -> str:
+def finish_evaluation(attempt: TaskAttempt, stopping: bool) -> str:
     """finished when it exited 0 and wrote its file; interrupted when the sweep stopped it (run
     again by the next invocation, nothing recorded); failed otherwise. The training's status stays."""
     run, name, code = attempt.run, attempt.evaluation, attempt.process.returncode
@@ -142,7 +143,7 @@ def finish_evaluation(attempt: Attempt, stopping: bool) -> str:
 class StopSignals:
     """SIGTERM/SIGINT: remember the signal, send SIGTERM to the running runs (they checkpoint and exit)."""
 
-    def __init__(self, attempts: list[Attempt]):
+    def __init__(self, attempts: list[TaskAttempt]):
         self.attempts, self.signum = attempts, None
 
     def __enter__(self) -> "StopSignals":
@@ -169,7 +170,7 @@ def run_env(jobs: int) -> dict[str, str]:
     return env
 
 
-def describe_end(attempt: Attempt, state: str) -> str:
+def describe_end(attempt: TaskAttempt, state: str) -> str:
     seconds, run = time.time() - attempt.started, attempt.run
     if attempt.evaluation is not None:
         what = f"{run.experiment_id} evaluation {attempt.evaluation}"

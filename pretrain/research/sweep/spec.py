@@ -13,8 +13,7 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, check, flow_yaml, from_dict, load_yaml
 from pretrain.config import RunConfig, load_run_config, validate_for_world
-from pretrain.paths import preset_path
-from pretrain.pretrain_ora import ENTRY_MODULE
+from pretrain.paths import ENTRY_MODULE, preset_path
 from pretrain.run_dir import RunDir
 
 DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # the research plan's seeds (docs/research.md)
@@ -207,7 +206,7 @@ class Run:
 
 def for_seed(overrides: dict[str, Any], seed: int) -> dict[str, Any]:
     """The spec's overrides for one seed: `{seed}` in a string value is the run's seed (e.g. the run of
-    another sweep that a transfer arm starts from: train.init_from: runs/sweeps/core/ora/seed{seed})."""
+    another sweep that a transfer arm starts from: init_from.path: runs/sweeps/core/ora/seed{seed})."""
     return {key: value.replace(SEED_FIELD, str(seed)) if isinstance(value, str) else value
             for key, value in overrides.items()}
 

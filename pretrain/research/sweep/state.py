@@ -15,7 +15,8 @@ from typing import Optional
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.research.sweep.spec import Run, SweepError
-from pretrain.run_dir import ExperimentRecord, RunDir, config_hash
+from pretrain.run_dir import RunDir, config_hash
+from pretrain.run_records import ExperimentRecord
 
 LOG_TAIL_LINES = 40
 
@@ -131,7 +132,7 @@ def check_run_data(runs: list[Run]) -> None:
 
 def completed_summary(run_dir: RunDir) -> bool:
     """summary.json of a run that trained to its end or stopped early (not one stopped by a signal, at
-    train.max_wall_time or by a divergence)."""
+    supervision.max_wall_time or by a divergence)."""
     if not run_dir.summary.exists():
         return False
     summary = run_dir.read_summary()

@@ -122,7 +122,7 @@ def test_training_samples_are_whole_examples(written, tmp_path):
                    data=DataConfig(manifest=options.out))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_length=SEQ, vocab_size=VOCAB))
     data.check_data(cfg)
-    train = data.build_datasets(cfg, data.build_tokenizer(cfg), tmp_path)["train"]
+    train = data.build_datasets(cfg, data.build_tokenizer(cfg.data, cfg.model.vocab_size), tmp_path)["train"]
     generated = generate(task_for(options), options.seed, "train", options.examples)
     as_fed = {tuple(numpy.where(row == PAD, 0, row)): row for row in generated}
     assert len(train) >= 100

@@ -60,8 +60,8 @@ def test_types_and_defaults_are_readable():
     assert "| optional int | `null` |" in rows["| `decay_steps`"]
     styles = "cosine, linear, constant, cosine_restarts, polynomial, wsd"
     assert f"| one of: {styles} | `cosine` |" in rows["| `decay_style`"]
-    assert "| list of int | `[]` |" in rows["| `inject_nonfinite_loss_steps`"]
-    assert "| str | required |" in rows["| `path`"]
+    assert "| list of [faults entries](#faults-entries) | `[]` |" in rows["| `faults`"]
+    assert any(line.startswith("| `path` | str | required |") for line in render(RunConfig).splitlines())
     assert "[model.attention](#modelattention)" in rows["| `attention`"]
 
 
@@ -99,10 +99,12 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
     # Every 20 minutes (the Young/Daly interval for Base on 16 nodes), 20,000 steps as a backstop.
     assert cfg["checkpoint"] == {"save_interval": 20000, "save_interval_s": 1200.0, "keep_last": 3}
     # Unattended: restarts, the hang watchdog below the collective timeout, skip-step and rewinds.
-    assert (train["max_restarts"], train["hang_timeout_s"], train["collective_timeout_s"]) == (3, 300.0, 600)
-    assert train["spike_skip"] == {"enabled": True, "window": 128, "sigma": 6.0}
-    assert train["rewind"] == {"enabled": True, "skip_batches": 200, "max_rewinds": 3}
-    assert train["inject_faults"] == [] and train["inject_nonfinite_loss_steps"] == []
+    supervision, stability = cfg["supervision"], cfg["stability"]
+    assert (supervision["max_restarts"], supervision["hang_timeout_s"], supervision["collective_timeout_s"]) == (
+        3, 300.0, 600)
+    assert stability["spike_skip"] == {"enabled": True, "window": 128, "sigma": 6.0}
+    assert stability["rewind"] == {"enabled": True, "skip_batches": 200, "max_rewinds": 3}
+    assert cfg["faults"] == []
 
 
 def test_overrides_apply_after_the_base():

@@ -35,13 +35,13 @@ def main(config: Path, run_dir: Path, *args: str) -> int:
     ("train.freeze_schedule=[{start: 0.5, frozen_q: half}]", "train.freeze_schedule[0].frozen_q",
      "'half' is not one of: all, none, first_half, second_half; or list of int"),
     ("train.freeze_schedule=[{start: 2}]", "train.freeze_schedule[0].start", "must be in [0, 1)"),
-    ("train.max_restarts=-1", "train.max_restarts", "must be >= 0"),
-    ("train.hang_timeout_s=600", "train.hang_timeout_s",
+    ("supervision.max_restarts=-1", "supervision.max_restarts", "must be >= 0"),
+    ("supervision.hang_timeout_s=600", "supervision.hang_timeout_s",
      "600 must be below collective_timeout_s (600), so that the watchdog (which writes every thread's stack) fires"),
-    ("train.spike_skip={enabled: true, window: 2}", "train.spike_skip.window", "must be >= 4"),
-    ("train.rewind={enabled: true, max_rewinds: 0}", "train.rewind.max_rewinds", "must be >= 1"),
-    ("train.inject_faults=[{kind: kill}]", "train.inject_faults[0].step", "a kill fault needs step >= 1"),
-    ("train.inject_faults=[{kind: spike, step: 3}]", "train.inject_faults[0].batch", "a spike fault needs batch >= 1"),
+    ("stability.spike_skip={enabled: true, window: 2}", "stability.spike_skip.window", "must be >= 4"),
+    ("stability.rewind={enabled: true, max_rewinds: 0}", "stability.rewind.max_rewinds", "must be >= 1"),
+    ("faults=[{kind: kill}]", "faults[0].step", "a kill fault needs step >= 1"),
+    ("faults=[{kind: spike, step: 3}]", "faults[0].batch", "a spike fault needs batch >= 1"),
 ])
 def test_invalid_value_is_refused_naming_the_key(config, tmp_path, capsys, override, key, message):
     run_dir = tmp_path / "never"
@@ -62,9 +62,9 @@ def test_invalid_value_is_refused_naming_the_key(config, tmp_path, capsys, overr
     (["train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=3"], "train.freeze_schedule"),
     (["parallel.pipeline=2", "data.reset_attention_mask=true"], "data.reset_attention_mask"),
     # A job that would restart failures refuses a config error before anything starts: it is never retried.
-    (["train.max_restarts=3", "train.global_batch_size=12"], "train.global_batch_size"),
-    (["train.max_restarts=3", "train.inject_faults=[{kind: kill, step: 2, rank: 2}]"], "train.inject_faults"),
-    (["parallel.pipeline=2", "train.spike_skip.enabled=true"], "train.spike_skip.enabled"),
+    (["supervision.max_restarts=3", "train.global_batch_size=12"], "train.global_batch_size"),
+    (["supervision.max_restarts=3", "faults=[{kind: kill, step: 2, rank: 2}]"], "faults"),
+    (["parallel.pipeline=2", "stability.spike_skip.enabled=true"], "stability.spike_skip.enabled"),
 ])
 def test_config_error_names_key_and_starts_no_worker(config, tmp_path, capsys, monkeypatch, overrides, key):
     """A two-process run's command, refused before it would start its workers."""

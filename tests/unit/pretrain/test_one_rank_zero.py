@@ -10,7 +10,8 @@ import pytest
 from pretrain_runs import arguments, keep_environment, write_config
 
 from pretrain import pretrain_ora
-from pretrain.config import DeepSpeedConfig, ParallelConfig, RunConfig, for_world
+from pretrain.config import DeepSpeedConfig, ParallelConfig, RunConfig, for_world, read_run_config
+from pretrain.training import worker
 
 
 def config(zero_stage: int, precision: str = "fp32", keep: bool = False, tensor: int = 1) -> RunConfig:
@@ -35,9 +36,10 @@ def test_stage_that_runs(cfg, world_size, stage):
 
 
 def test_the_entry_hands_workers_the_stage_that_runs(tmp_path, monkeypatch, capsys):
+    """The workers read the run dir's config.yaml, resolved before they start."""
     keep_environment(monkeypatch)
     started = []
-    monkeypatch.setattr(pretrain_ora, "worker", lambda cfg, run_dir, grad_accum: started.append(cfg) or 0)
+    monkeypatch.setattr(worker, "train_worker", lambda run_dir, known: started.append(read_run_config(run_dir)) or 0)
     args = arguments(write_config(tmp_path), tmp_path / "run", ["deepspeed.zero_stage=1"], nproc=1)
     assert pretrain_ora.main(args) == 0
     assert [cfg.deepspeed.zero_stage for cfg in started] == [0]

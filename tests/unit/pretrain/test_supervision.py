@@ -39,7 +39,7 @@ def test_a_crash_loop_stops_after_max_restarts_failures_in_a_row_without_progres
     policy = RestartPolicy(max_restarts=1, backoff_s=1.0, final=FINAL)
     assert all(policy.decide(1, progressed=True) is None for _ in range(50))
     assert policy.backoff() == 1.0
-    assert RestartPolicy(0, 1.0, FINAL).decide(1, progressed=True) == "train.max_restarts is 0"
+    assert RestartPolicy(0, 1.0, FINAL).decide(1, progressed=True) == "supervision.max_restarts is 0"
 
 
 def test_statuses_are_described_by_name():
@@ -164,7 +164,7 @@ def test_watchdog_dumps_every_stack_and_exits_with_its_status_after_a_silent_ste
     (dump,) = RunDir(tmp_path).hang_dumps()
     assert dump.name.endswith("-step00000002-rank1.txt") and watchdog.fired == str(dump)
     text = dump.read_text()
-    assert text.startswith("rank 1 (pid ") and "after step 2 (train.hang_timeout_s=0.2)" in text
+    assert text.startswith("rank 1 (pid ") and "after step 2 (supervision.hang_timeout_s=0.2)" in text
     assert "test_watchdog_dumps_every_stack" in text  # the loop's thread, blocked where it was
     assert threading.current_thread() is threading.main_thread()
 

@@ -17,7 +17,8 @@ from pretrain import quickstart
 from pretrain.export.generate import main as generate_main
 from pretrain.research import memory_plan as plan
 from pretrain.research.report.__main__ import main as report_main
-from pretrain.run_dir import EvalRecord, RunDir, TrainRecord
+from pretrain.run_dir import RunDir
+from pretrain.run_records import EvalRecord, TrainRecord
 
 # ---------------------------------------------------------------------------- pretrain.export.generate
 POSITIONS = 16
@@ -96,7 +97,7 @@ def test_report_names_a_missing_directory(tmp_path, capsys):
 
 def test_report_on_a_training_run_says_it_reads_sweep_outputs(tmp_path, capsys):
     run = RunDir(tmp_path / "run")
-    run.write_run_files({}, {}, {})
+    run.write_config({})
     err = report_error([str(run.path), "--out", str(tmp_path / "report")], capsys)
     assert f"{run.path}, a training run dir, not a sweep's output" in err
     assert "The report reads sweep output directories: the --out of `python -m pretrain.research.sweep`" in err
@@ -202,7 +203,7 @@ def test_training_progress_is_shown_while_the_stage_runs(tmp_path, monkeypatch, 
     script = "; ".join(f"echo {shlex.quote(json.dumps(asdict(r)))} >> {shlex.quote(str(RunDir(flow.run).metrics))}; "
                        "echo trained; sleep 0.5" for r in records)
     training = quickstart.Stage("pretrain", lambda f: ["sh", "-c", script], lambda f, out: "trained",
-                                lambda f: [], progress=lambda f: quickstart.Progress(f.run))
+                                lambda f: [], progress=lambda f: quickstart.TrainingProgress(f.run))
     assert quickstart.run_flow(flow, [training]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "[1/1] pretrain  running, progress below (log: " + str(flow.logs / "01-pretrain.log") + ")"
@@ -220,5 +221,5 @@ def test_next_steps_name_the_commands_of_this_demo(tmp_path, monkeypatch):
                     "python -m pretrain.export.generate --hf runs/demo/hf --prompt 'def main('",
                     "python -m data_tools.build_shards", "DATA_MANIFEST=SHARDS/manifest.json launch/pretrain_ora.sh",
                     "--tokenizer runs/demo/tokenizer/sp.model --output-dir FT_SHARDS",
-                    "--set train.init_from=runs/demo/hf --set train.init_from_qk=imported", "make test-fast"):
+                    "--set init_from.path=runs/demo/hf --set init_from.qk=imported", "make test-fast"):
         assert command in text, command

@@ -1,6 +1,6 @@
-"""train.init_from in one process: Hugging Face models written by transformers import with transformers'
+"""init_from.path in one process: Hugging Face models written by transformers import with transformers'
 logits, or are refused naming the setting; a shape, family or format mismatch is refused naming the
-tensor; train.init_from_qk draws or imports Q/K; and the imported weights reach a DeepSpeed engine
+tensor; init_from.qk draws or imports Q/K; and the imported weights reach a DeepSpeed engine
 with its fp32 masters."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from ora_megatron.model_config import AttentionConfig, ModelConfig
 from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.consolidate import reference_model, tp1_parallel_state
-from pretrain.checkpoint.init_from import ImportRefused, plan_import
-from pretrain.config import DeepSpeedConfig, LoggingConfig, RunConfig, TrainConfig
+from pretrain.checkpoint.import_plan import plan_import
+from pretrain.config import DeepSpeedConfig, LoggingConfig, RunConfig
+from pretrain.init_from import ImportRefused, InitFromConfig
 
 VOCAB, HIDDEN, HEADS, LAYERS = 96, 32, 4, 2
 
@@ -50,7 +51,7 @@ def run_config(family: str, source, attention: str = "vanilla", qk=None, **model
     if family == "llama":
         sizes.update(num_query_groups=2, ffn_hidden_size=64)
     sizes.update(model)
-    return RunConfig(model=ModelConfig(**sizes), train=TrainConfig(init_from=str(source), init_from_qk=qk),
+    return RunConfig(model=ModelConfig(**sizes), init_from=InitFromConfig(path=str(source), qk=qk),
                      logging=LoggingConfig(tensorboard=False, wandb_mode="disabled", progress=False))
 
 
@@ -68,7 +69,7 @@ def saved(tmp_path_factory):
 
 
 def our_logits(plan, tokens: torch.Tensor) -> torch.Tensor:
-    model = reference_model(plan.cfg)
+    model = reference_model(plan.cfg.model)
     model.load_state_dict(plan.state, strict=False)
     with tp1_parallel_state(), torch.no_grad():
         return model.eval()(tokens)[..., :VOCAB]
@@ -140,17 +141,17 @@ def test_refusals_reach_the_entry_before_any_worker(saved, tmp_path, capsys, mon
     """The entry's refusal path: status 2, the message, no worker, no run dir."""
     forbid_workers(monkeypatch)
     config = write_config(tmp_path)  # TINY_RUN: gpt2 d=64, ORA
-    cases = [([f"train.init_from={saved['gpt2'][1]}", "train.init_from_qk=draw"],
+    cases = [([f"init_from.path={saved['gpt2'][1]}", "init_from.qk=draw"],
               "transformer.wte.weight has shape [96, 32], the run's model needs [256, 64]"),
-             ([f"train.init_from={saved['llama'][1]}", "train.init_from_qk=draw"],
+             ([f"init_from.path={saved['llama'][1]}", "init_from.qk=draw"],
               "config error at 'model.family': gpt2, but"),
-             ([f"train.init_from={tmp_path / 'nowhere'}", "train.init_from_qk=draw"], "does not exist"),
-             ([f"train.init_from={saved['gpt2'][1]}"], "config error at 'train.init_from_qk'"),
-             (["train.init_from_qk=imported"], "config error at 'train.init_from_qk': read only with"),
-             ([f"train.init_from={saved['gpt2'][1]}", "model.attention.type=synthesizer_random"],
-              "config error at 'train.init_from': attention type 'synthesizer_random'"),
-             ([f"train.init_from={saved['gpt2'][1]}", "train.init_from_qk=draw", "model.attention.type=vanilla"],
-              "config error at 'train.init_from_qk': read only for random-Q/K attention")]
+             ([f"init_from.path={tmp_path / 'nowhere'}", "init_from.qk=draw"], "does not exist"),
+             ([f"init_from.path={saved['gpt2'][1]}"], "config error at 'init_from.qk'"),
+             (["init_from.qk=imported"], "config error at 'init_from.qk': read only with"),
+             ([f"init_from.path={saved['gpt2'][1]}", "model.attention.type=synthesizer_random"],
+              "config error at 'init_from.path': attention type 'synthesizer_random'"),
+             ([f"init_from.path={saved['gpt2'][1]}", "init_from.qk=draw", "model.attention.type=vanilla"],
+              "config error at 'init_from.qk': read only for random-Q/K attention")]
     for overrides, message in cases:
         assert pretrain_ora.main(arguments(config, tmp_path / "never", overrides)) == 2, overrides
         err = capsys.readouterr().err
@@ -171,7 +172,7 @@ def test_the_qk_choice_draws_or_imports(saved):
     V, the MLP and the rest come from the model either way."""
     model, path = saved["llama"]
     source = dict(model.state_dict())
-    draws = reference_model(run_config("llama", path, "ora", "draw")).state_dict()
+    draws = reference_model(run_config("llama", path, "ora", "draw").model).state_dict()
     for choice in ("draw", "imported"):
         state = plan_import(run_config("llama", path, "ora", choice)).state
         for i in range(LAYERS):
@@ -191,7 +192,7 @@ def test_the_qk_choice_draws_or_imports(saved):
 
 @pytest.mark.slow  # a transformers model is built and saved once for the module (seconds)
 def test_imported_q_bias_that_ora_cannot_hold_is_refused(saved):
-    with pytest.raises(ImportRefused, match="train.init_from_qk': imported, but the source's Q bias "
+    with pytest.raises(ImportRefused, match="init_from.qk': imported, but the source's Q bias "
                                             "\\(transformer.h.0.attn.c_attn.bias\\) is nonzero"):
         plan_import(run_config("gpt2", saved["gpt2"][1], "ora", "imported"))
 

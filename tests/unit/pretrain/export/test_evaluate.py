@@ -57,10 +57,10 @@ def export(tmp_path_factory) -> tuple[Path, Path]:
                                       attention_dropout=0.0, seed=3, attention=AttentionConfig(type="ora")))
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("LOCAL_RANK", raising=False)  # restored afterwards: building the model sets it
-        state = reference_model(cfg).state_dict()
+        state = reference_model(cfg.model).state_dict()
     out, run_dir = root / "hf", root / "run"
     out.mkdir()
-    write_export(cfg, Consolidated(state, MODULE, torch.float32, []), out, "fp32", str(tokenizer),
+    write_export(cfg.model, Consolidated(state, MODULE, torch.float32, []), out, "fp32", str(tokenizer),
                  card="An untrained model for the tests.\n")
     write_export_record(out, {"run_dir": str(run_dir), "checkpoint": "step00000000", "dtype": "fp32", "files": []})
     return out, run_dir

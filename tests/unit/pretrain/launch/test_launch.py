@@ -326,8 +326,8 @@ def test_slurm_job_runs_two_local_nodes_without_ssh_and_matches_one_process(tmp_
                            SLURM_SUBMIT_DIR=str(REPO), GPUS_PER_NODE="1", RUN_DIR=str(run_dir),
                            MASTER_PORT=str(free_port()))
     out = run_script(["bash", SBATCH, config, "--set", f"logging.wandb_project={HOSTILE}",
-                      "--set", "train.max_restarts=1", "--set", "train.restart_backoff_s=5",
-                      "--set", "train.inject_faults=[{kind: kill, step: 4, rank: 1}]"], variables)
+                      "--set", "supervision.max_restarts=1", "--set", "supervision.restart_backoff_s=5",
+                      "--set", "faults=[{kind: kill, step: 4, rank: 1}]"], variables)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (run_dir / "slurm-4242.hostfile").read_text() == "localhost slots=1\nnode-b slots=1\n"
     for rank in (0, 1):
@@ -412,7 +412,7 @@ def test_only_run_configs_are_offered_as_presets(in_process):
 
 @pytest.mark.slow
 def test_the_job_requeues_itself_after_a_stop_at_max_wall_time_and_not_after_an_end(tmp_path):
-    """Status 75 (stopped with a checkpoint at train.max_wall_time) requeues without a signal; a finished
+    """Status 75 (stopped with a checkpoint at supervision.max_wall_time) requeues without a signal; a finished
     run (0) or a failure that ended the job does not. (The time-limit signal: tests/integration/test_unattended.py.)"""
     outcomes = {}
     for status in (75, 0, 1):

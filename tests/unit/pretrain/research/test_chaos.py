@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pretrain.config import FaultInjection
+from pretrain.faults import FaultInjection
 from pretrain.research.benchmarks.chaos import (
     Fault,
     base_checkpoint_bytes,
@@ -40,7 +40,7 @@ def test_the_faults_are_valid_injections():
     assert [(e["kind"], e.get("step"), e.get("batch")) for e in entries] == [
         ("kill", 10, None), ("nan", None, 20), ("nan", None, 21), ("nan", None, 22), ("spike", None, 30)]
     for i, entry in enumerate(entries):
-        FaultInjection(**entry).validate(f"train.inject_faults[{i}]")
+        FaultInjection(**entry).validate(f"faults[{i}]")
 
 
 def test_young_daly():

@@ -19,7 +19,8 @@ import yaml
 from pretrain_runs import REPO, env, write_config
 from sweep_runs import write_run
 
-from pretrain.pretrain_ora import ENTRY_MODULE
+from pretrain.config import read_run_config
+from pretrain.paths import ENTRY_MODULE
 from pretrain.research.sweep import slurm
 from pretrain.research.sweep import spec as sweep_spec
 from pretrain.research.sweep.__main__ import main
@@ -54,7 +55,7 @@ SHIPPED_GAPS = {"a3": "head_dim", "a4": "parameters", "a5": "seq_length", "a5_re
 # Overrides of tests/pretrain_runs.py's tiny mock-data run for a sweep that finishes in seconds.
 QUICK = {"train.steps": 4, "train.eval_interval": 2, "checkpoint.save_interval": 2}
 # A run that fails at run time (exit 3): every step's loss is non-finite, two in a row stop it.
-BROKEN = {"train.inject_nonfinite_loss_steps": [1, 2], "train.max_consecutive_skips": 2}
+BROKEN = {"faults": [{"kind": "nan", "batch": 1}, {"kind": "nan", "batch": 2}], "stability.max_consecutive_skips": 2}
 
 
 def write_spec(directory: Path, arms: dict, seeds=(1,), scale_set=None, processes: int = 1) -> Path:
@@ -170,7 +171,7 @@ def test_shipped_spec_expands_and_validates(tmp_path, name, scale):
             (32, 24, "llama")}
     elif name == "transfer":  # the recipe on the subword corpus, each fine-tuned run from its own seed's run
         assert {(r.cfg.train.global_batch_size, r.cfg.model.vocab_size) for r in runs} == {(12, 2048)}
-        assert {r.cfg.train.init_from for r in runs if r.arm == "ora_finetuned"} == {
+        assert {r.cfg.init_from.path for r in runs if r.arm == "ora_finetuned"} == {
             f"runs/sweeps/baselines_bpe/ora/seed{seed}" for seed in DESIGN_SEEDS}
     else:  # the nanoGPT shakespeare_char recipe
         assert {r.scale.processes_per_node for r in runs} == {1}
@@ -248,7 +249,7 @@ def test_sweep_records_runs_then_skips_finished_and_failed(tmp_path, capsys, tra
     assert record.results["final_train_loss"] == summary.final_train_loss
     assert record.results["training_time_hours"] == pytest.approx(summary.wall_time_s / 3600)
     assert record.model_config == resolved.pop("model") and record.training_config == resolved
-    assert record.config_hash == config_hash(run_dir.read_config())  # the config the run used
+    assert record.config_hash == config_hash(read_run_config(run_dir))  # the config the run used
     assert record.start_time and record.log_tail == ""
     failed = RunDir(out / "broken" / "seed1").read_experiment()
     assert (failed.status, failed.exit_code) == ("failed", 3)
@@ -407,7 +408,8 @@ def test_evaluations_of_a_finished_run_are_recorded_and_rerun_without_training(t
 
 
 # Stands in for a training (`... RUN_DIR EXIT_CODE`): exit 0 with a complete summary, or fail.
-FAKE_TRAINING = ("import sys; from pretrain.run_dir import RunDir, Summary; code = int(sys.argv[2]); "
+FAKE_TRAINING = ("import sys; from pretrain.run_dir import RunDir; from pretrain.run_records import Summary; "
+                 "code = int(sys.argv[2]); "
                  "code or RunDir(sys.argv[1]).write_summary(Summary(final_train_loss=3.0, final_valid_loss=3.0, "
                  "final_test_loss=None, wall_time_s=1.0, steps=4, stopped_early=False, preempted=False, "
                  "tokens_seen=0, skipped_steps=0, trainable_params=1, frozen_params=0)); sys.exit(code)")

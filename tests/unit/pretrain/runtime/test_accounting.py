@@ -11,6 +11,7 @@ import torch
 from model_fixtures import tiny_model, tokens
 from one_process import tiny_run
 
+from pretrain.parallel_layout import ParallelLayout
 from pretrain.runtime import accounting
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import lm_loss
@@ -38,8 +39,8 @@ def test_parameter_counts_split_trainable_and_frozen(train_engine):
 def test_parameter_counts_are_per_model_not_per_replica(train_engine, monkeypatch):
     """The all-reduce sums every data-parallel replica's count: two replicas count the model once."""
     single = accounting.parameter_counts(train_engine)
-    monkeypatch.setattr(accounting, "dist", SimpleNamespace(all_reduce=lambda counts: counts.mul_(2),
-                                                            get_world_size=lambda: 2))
+    monkeypatch.setattr(accounting, "dist", SimpleNamespace(all_reduce=lambda counts: counts.mul_(2)))
+    monkeypatch.setattr(train_engine, "layout", ParallelLayout(world_size=2))
     assert accounting.parameter_counts(train_engine) == single
 
 

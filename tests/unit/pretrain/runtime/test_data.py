@@ -115,7 +115,7 @@ def mock_run():
 
 @pytest.fixture(scope="module")
 def tokenizer(mock_run):
-    return data.build_tokenizer(mock_run)
+    return data.build_tokenizer(mock_run.data, mock_run.model.vocab_size)
 
 
 @pytest.mark.slow
@@ -168,7 +168,7 @@ def test_document_masking_reaches_the_batches_and_the_model(mock_run, tokenizer,
     cfg = dataclasses.replace(mock_run, data=DataConfig(mock=True, reset_attention_mask=True,
                                                         reset_position_ids=True))
     batches = StepBatches(data.build_datasets(cfg, tokenizer, tmp_path), BatchOrder(2, 2, dp_rank=0, dp_size=1),
-                          extra_keys=data.document_keys(cfg))
+                          extra_keys=data.document_keys(cfg.data))
     eod = tokenizer.eod
     batch = next(b for b in (batches.micro_batch("train", step, micro) for step in range(5) for micro in range(2))
                  if bool((b["tokens"][:, :-1] == eod).any()))
@@ -192,10 +192,10 @@ def test_document_masking_alone_keeps_the_positions_of_the_sample(mock_run):
     """data.reset_attention_mask without reset_position_ids: the batch carries documents, not the reset
     positions they are read off (the model counts 0..s-1)."""
     cfg = dataclasses.replace(mock_run, data=DataConfig(mock=True, reset_attention_mask=True))
-    assert data.document_keys(cfg) == ("document_ids",)
+    assert data.document_keys(cfg.data) == ("document_ids",)
     samples = [{"tokens": np.arange(6), "labels": np.arange(6), "loss_mask": np.ones(6),
                 "position_ids": np.array(positions)} for positions in ([0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5])]
-    batch = data.collate(samples, [0, 1], extra_keys=data.document_keys(cfg))
+    batch = data.collate(samples, [0, 1], extra_keys=data.document_keys(cfg.data))
     assert set(batch) == {"tokens", "labels", "loss_mask", "document_ids"}
     assert batch["document_ids"].tolist() == [[0, 0, 1, 1, 1, 2], [0] * 6]
 
@@ -219,7 +219,7 @@ def tokenizer_file(tmp_path, monkeypatch) -> str:
     """A tokenizer model file, read as FAKE_TOKENIZER (check_data's own checks need no sentencepiece)."""
     path = tmp_path / "sp.model"
     path.write_bytes(b"a tokenizer")
-    monkeypatch.setattr(data, "build_tokenizer", lambda cfg: FAKE_TOKENIZER)
+    monkeypatch.setattr(data, "build_tokenizer", lambda data_config, vocab_size: FAKE_TOKENIZER)
     return str(path)
 
 
@@ -243,30 +243,30 @@ def write_manifest(root: Path, tokenizer: str, splits=("train", "valid", "test")
 
 def test_dataset_config_of_each_data_source(tmp_path):
     """mock and blend: cut by data.split; train_blend: a blend per split (an empty one: no such split)."""
-    mock = data.dataset_config(with_data(mock=True, split="90,5,5", seed=7, eod_mask_loss=True), FAKE_TOKENIZER,
-                               tmp_path)
+    mock = data.dataset_config(DataConfig(mock=True, split="90,5,5", seed=7, eod_mask_loss=True), SEQ,
+                               FAKE_TOKENIZER, tmp_path)
     assert (mock.blend, mock.blend_per_split, mock.random_seed, mock.sequence_length) == (None, None, 7, SEQ)
     assert mock.eod_mask_loss and mock.path_to_cache == str(tmp_path)
 
     a, b = indexed_dataset(tmp_path / "a", [20] * 10), indexed_dataset(tmp_path / "b", [20] * 10)
-    blend = data.dataset_config(with_data(blend=[BlendEntry(a, 3.0), BlendEntry(b)], split="90,5,5"),
-                                FAKE_TOKENIZER, tmp_path)
+    blend = data.dataset_config(DataConfig(blend=[BlendEntry(a, 3.0), BlendEntry(b)], split="90,5,5"),
+                                SEQ, FAKE_TOKENIZER, tmp_path)
     assert (blend.blend, blend.blend_per_split, blend.split) == (([a, b], [3.0, 1.0]), None, "90,5,5")
 
-    per_split = data.dataset_config(with_data(train_blend=[BlendEntry(a)], valid_blend=[BlendEntry(b, 2.0)]),
-                                    FAKE_TOKENIZER, tmp_path)
+    per_split = data.dataset_config(DataConfig(train_blend=[BlendEntry(a)], valid_blend=[BlendEntry(b, 2.0)]),
+                                    SEQ, FAKE_TOKENIZER, tmp_path)
     assert per_split.blend is None and per_split.blend_per_split == [([a], [1.0]), ([b], [2.0]), None]
 
 
 def test_dataset_config_of_a_manifest(tmp_path, tokenizer_file):
     """Built with --split: the manifest's blend per split; without: its one blend cut by data.split."""
-    split = data.dataset_config(with_data(manifest=write_manifest(tmp_path / "split", tokenizer_file)),
-                                FAKE_TOKENIZER, tmp_path)
+    split = data.dataset_config(DataConfig(manifest=write_manifest(tmp_path / "split", tokenizer_file)),
+                                SEQ, FAKE_TOKENIZER, tmp_path)
     assert split.blend is None
     assert [prefixes for prefixes, _ in split.blend_per_split] == [
         [str(tmp_path / "split" / f"web-{name}-00000")] for name in ("train", "valid", "test")]
-    whole = data.dataset_config(with_data(manifest=write_manifest(tmp_path / "whole", tokenizer_file, ["train"]),
-                                          split="80,10,10"), FAKE_TOKENIZER, tmp_path)
+    whole = data.dataset_config(DataConfig(manifest=write_manifest(tmp_path / "whole", tokenizer_file, ["train"]),
+                                          split="80,10,10"), SEQ, FAKE_TOKENIZER, tmp_path)
     assert whole.blend == ([str(tmp_path / "whole" / "web-train-00000")], [1.0]) and whole.split == "80,10,10"
 
 
@@ -276,7 +276,7 @@ def test_a_manifest_of_matching_files_and_tokenizer_passes(tmp_path, tokenizer_f
 
 
 def test_mock_data_is_not_checked(monkeypatch):
-    monkeypatch.setattr(data, "build_tokenizer", lambda cfg: pytest.fail("mock data needs no tokenizer check"))
+    monkeypatch.setattr(data, "build_tokenizer", lambda *args: pytest.fail("mock data needs no tokenizer check"))
     data.check_data(with_data(mock=True, tokenizer="/no/such/tokenizer.model"))
 
 

@@ -41,6 +41,6 @@ def test_each_stage_norm_is_its_gradients_and_together_the_steps_norm():
 
 def test_they_are_taken_at_log_interval_steps_when_asked_for():
     cfg = tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=20, log_interval=5))
-    assert not any(layer_grad_norms_due(cfg, step) for step in range(1, 21)), "off by default"
-    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, layer_grad_norms=True))
-    assert [step for step in range(1, 21) if layer_grad_norms_due(cfg, step)] == [5, 10, 15, 20]
+    assert not any(layer_grad_norms_due(cfg.logging, 5, step) for step in range(1, 21)), "off by default"
+    logging = dataclasses.replace(cfg.logging, layer_grad_norms=True)
+    assert [step for step in range(1, 21) if layer_grad_norms_due(logging, 5, step)] == [5, 10, 15, 20]

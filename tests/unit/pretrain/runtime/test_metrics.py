@@ -13,7 +13,8 @@ import torch
 from one_process import tiny_run
 
 from pretrain.config import LoggingConfig, TrainConfig
-from pretrain.run_dir import EvalRecord, RunDir, TrainRecord
+from pretrain.run_dir import RunDir
+from pretrain.run_records import EvalRecord, TrainRecord
 from pretrain.runtime import metrics
 from pretrain.runtime.accounting import flops_per_token
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, Throughput, throughput, wandb_run_id

@@ -15,7 +15,8 @@ from one_process import tiny_run
 from data_tools.manifest import load_manifest
 from pretrain.checkpoint.checkpointer import TrainState
 from pretrain.config import BlendEntry, DataConfig, EarlyStopping, TrainConfig
-from pretrain.run_dir import EvalRecord, RunDir
+from pretrain.run_dir import RunDir
+from pretrain.run_records import EvalRecord
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import batch_loss
@@ -163,7 +164,7 @@ def test_each_source_loss_equals_that_source_evaluated_alone(shards, tmp_path):
                    data=DataConfig(manifest=str(manifest_file)))
     engine = build_engine(cfg, grad_accum=GRAD_ACCUM)
     order = BatchOrder(micro_batch_size=1, grad_accum=GRAD_ACCUM, dp_rank=0, dp_size=1)
-    datasets = build_datasets(cfg, build_tokenizer(cfg), tmp_path / "cache")
+    datasets = build_datasets(cfg, build_tokenizer(cfg.data, cfg.model.vocab_size), tmp_path / "cache")
     assert sorted(datasets) == sorted(["train", "valid", "test", *(f"{split}:{source}" for split in ("valid", "test")
                                                                   for source in TWO_SOURCES)])
     logger = MetricsLogger(RunDir(tmp_path), cfg, {}, start_step=0)
@@ -182,5 +183,5 @@ def test_each_source_loss_equals_that_source_evaluated_alone(shards, tmp_path):
         alone = dataclasses.replace(cfg, data=DataConfig(
             train_blend=[BlendEntry(p, w) for p, w in zip(*manifest["blend"]["train"].values())],
             valid_blend=entries("valid"), test_blend=entries("test"), tokenizer=tokenizer))
-        alone_datasets = build_datasets(alone, build_tokenizer(alone), tmp_path / "cache")
+        alone_datasets = build_datasets(alone, build_tokenizer(alone.data, alone.model.vocab_size), tmp_path / "cache")
         assert Evaluator(alone, StepBatches(alone_datasets, order), logger).loss(engine, "valid") == by_source[source]

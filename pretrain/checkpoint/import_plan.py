@@ -1,11 +1,5 @@
-"""Weights in: a run's first start from a Hugging Face model or from another run (`train.init_from`).
-
-The source is a Hugging Face model directory (`config.json` with model_type gpt2 or llama, weights in
-`*.safetensors`: this project's exports and what `transformers`' `save_pretrained` writes) or a run
-dir of this project, or one checkpoint of one (`RUN/checkpoints/<tag>`; a run dir means its latest).
-Only weights come in: the optimizer, the LR schedule and the step start afresh.
-
-In the launching process, before any worker (pretrain_ora.prepare), `plan_import`:
+"""Checking and converting the weights a run starts from (init_from.path, pretrain/init_from.py),
+in the process that resolves the run, before any worker. `plan_import`:
 
 1. reads the source's config and refuses, naming the field, a family other than model.family, a
    setting the model cannot compute (GPT-2's other activations or attention scalings, Llama's biases
@@ -18,7 +12,7 @@ In the launching process, before any worker (pretrain_ora.prepare), `plan_import
    the run's model, refusing at the first that is missing, extra or of another shape (its name);
 3. converts them into the run's model (TP=1, fp32, `{stage}.{param}` names): Q, K and V re-laid for
    the run's attention (megatron's fused QKV, or ORA's separate Q/K/V). For random-Q/K attention
-   `train.init_from_qk` decides Q/K: `draw` keeps the ones the run draws from model.seed (the source's
+   `init_from.qk` decides Q/K: `draw` keeps the ones the run draws from model.seed (the source's
    Q/K biases go with its Q/K), `imported` takes the source's, which then are the run's reference for
    frozen Q/K (checked and restored after every load, as the draw is otherwise; K's bias is dropped,
    which no attention weight depends on; a nonzero Q bias is refused). Vocabulary padding rows (never
@@ -26,17 +20,13 @@ In the launching process, before any worker (pretrain_ora.prepare), `plan_import
 
 `write_import` then writes RUN/init_from/weights.safetensors and the record RUN/init_from.json (the
 source, the files read with their sha256, the Q/K choice, the settings taken over, the tokenizer
-comparison). The workers load those weights right after the engine is built when there is no
-checkpoint to resume (`load_import`, through reshard.load_weights: any TP, PP, ZeRO stage, the fp32
-masters included). A resume never imports again: it applies the record's settings to the config and
-continues from its checkpoint; the source may be gone by then.
+comparison).
 """
+
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,7 +37,8 @@ import torch
 from ora_megatron.families import family_of, hf_mapping_of
 from ora_megatron.families.hf import QKV, HFConfigRefused, join_qkv, split_qkv
 from ora_megatron.model_config import ModelConfig
-from pretrain.config import RunConfig
+from pretrain.config import DataConfig, RunConfig, read_run_config
+from pretrain.init_from import ImportRefused
 from pretrain.run_dir import RunDir, file_sha256
 
 VOCAB_KEYS = ("embedding.embedding.word_embeddings.weight", "output.output_layer.weight")
@@ -55,17 +46,14 @@ PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HF_INDEX = "model.safetensors.index.json"
 
 
-class ImportRefused(ValueError):
-    """The source cannot initialise this run; the message names the key, field or tensor at fault."""
-
-
 @dataclass
 class ImportPlan:
     """A checked and converted import, before anything is written."""
 
-    cfg: RunConfig  # the run's config with the source's numerics taken over
+    model: ModelConfig  # the run's model with the source's numerics taken over
     record: dict  # what RUN/init_from.json will hold
     state: dict[str, torch.Tensor] = field(repr=False)  # the run's whole model, TP=1 names, fp32
+    cfg: Optional[RunConfig] = None  # the run's config with that model (plan_import sets it)
 
     def notice(self) -> str:
         r = self.record
@@ -80,6 +68,16 @@ def _text(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the source is checked against and converted into: the run's model, its init_from.qk choice and
+    its sentencepiece model (None: mock data)."""
+
+    model: ModelConfig
+    qk: Optional[str]
+    tokenizer: Optional[str]
+
+
 def effective(model: ModelConfig, name: str) -> Any:
     """The value a numerics setting has in the model (model.activation null: the family's own)."""
     return model.activation_name if name == "activation" else getattr(model, name)
@@ -87,18 +85,23 @@ def effective(model: ModelConfig, name: str) -> Any:
 
 # ---------------------------------------------------------------------------- the launcher's side
 def plan_import(cfg: RunConfig) -> ImportPlan:
-    """Check `cfg.train.init_from` against the run's model and convert it; raises ImportRefused."""
-    source = Path(cfg.train.init_from).expanduser()
+    """Check `cfg.init_from.path` against the run's model and convert it; raises ImportRefused."""
+    from pretrain.runtime.data import tokenizer_path
+
+    source = Path(cfg.init_from.path).expanduser()
     if not source.exists():
-        raise ImportRefused(f"config error at 'train.init_from': {source} does not exist")
+        raise ImportRefused(f"config error at 'init_from.path': {source} does not exist")
+    target = Target(cfg.model, cfg.init_from.qk, tokenizer_path(cfg.data))
     if source.is_dir() and (source / "config.json").is_file():
-        return _plan_hf(cfg, source.resolve())
-    run, tag = _run_source(source)
-    if run is not None:
-        return _plan_run(cfg, run, tag)
-    raise ImportRefused(f"config error at 'train.init_from': {source} is neither a Hugging Face model directory "
-                        "(config.json and *.safetensors) nor a run dir of this project (config.yaml) nor one of its "
-                        "checkpoints (RUN/checkpoints/<tag>)")
+        plan = _plan_hf(target, source.resolve())
+    else:
+        run, tag = _run_source(source)
+        if run is None:
+            raise ImportRefused(f"config error at 'init_from.path': {source} is neither a Hugging Face model "
+                                "directory (config.json and *.safetensors) nor a run dir of this project "
+                                "(config.yaml) nor one of its checkpoints (RUN/checkpoints/<tag>)")
+        plan = _plan_run(target, run, tag)
+    return replace(plan, cfg=replace(cfg, model=plan.model))
 
 
 def _run_source(source: Path) -> tuple[Optional[RunDir], Optional[str]]:
@@ -108,7 +111,7 @@ def _run_source(source: Path) -> tuple[Optional[RunDir], Optional[str]]:
         run = RunDir(source)
         tag = run.latest_checkpoint()
         if tag is None:
-            raise ImportRefused(f"config error at 'train.init_from': run dir {source} has no complete checkpoint "
+            raise ImportRefused(f"config error at 'init_from.path': run dir {source} has no complete checkpoint "
                                 f"({run.latest_pointer} is missing)")
         return run, tag
     owner = RunDir(source.parent.parent)
@@ -117,16 +120,17 @@ def _run_source(source: Path) -> tuple[Optional[RunDir], Optional[str]]:
     return None, None
 
 
-def _reference_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
+def _reference_state(model: ModelConfig) -> dict[str, torch.Tensor]:
     """The run's own model at its init (the draw of Q/K, the padding rows), TP=1, fp32 tensors only."""
     from pretrain.checkpoint.consolidate import reference_model  # builds megatron modules
 
-    return {k: v.detach().float() for k, v in reference_model(cfg).state_dict().items() if isinstance(v, torch.Tensor)}
+    state = reference_model(model).state_dict()
+    return {k: v.detach().float() for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _take_over(cfg: RunConfig, values: dict[str, Any], origin: str) -> tuple[RunConfig, dict[str, list]]:
-    """The config with the source's numerics; {"model.<field>": [old, new]} for every one that changed."""
-    changed, model = {}, cfg.model
+def _take_over(target: Target, values: dict[str, Any], origin: str) -> tuple[Target, dict[str, list]]:
+    """The target with the source's numerics; {"model.<field>": [old, new]} for every one that changed."""
+    changed, model = {}, target.model
     for name, value in values.items():
         if effective(model, name) != value:
             changed[f"model.{name}"] = [getattr(model, name), value]
@@ -135,27 +139,27 @@ def _take_over(cfg: RunConfig, values: dict[str, Any], origin: str) -> tuple[Run
         model.validate("model")
     except ValueError as e:
         raise ImportRefused(f"{origin}: the settings taken over do not fit the run's model: {e}") from None
-    return replace(cfg, model=model), changed
+    return replace(target, model=model), changed
 
 
-def _plan_hf(cfg: RunConfig, source: Path) -> ImportPlan:
+def _plan_hf(target: Target, source: Path) -> ImportPlan:
     config_file = source / "config.json"
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:
-        raise ImportRefused(f"config error at 'train.init_from': cannot read {config_file}: {e}") from None
+        raise ImportRefused(f"config error at 'init_from.path': cannot read {config_file}: {e}") from None
     model_type = config.get("model_type")
     if model_type not in ("gpt2", "llama"):
         raise ImportRefused(f"{config_file}: model_type {model_type!r}: this project imports gpt2 and llama models")
-    if model_type != cfg.model.family:
-        raise ImportRefused(f"config error at 'model.family': {cfg.model.family}, but {config_file} holds a "
+    if model_type != target.model.family:
+        raise ImportRefused(f"config error at 'model.family': {target.model.family}, but {config_file} holds a "
                             f"{model_type} model (model_type): set model.family={model_type} and its sizes")
-    mapping = hf_mapping_of(cfg.model)
+    mapping = hf_mapping_of(target.model)
     try:
-        numerics = mapping.model_fields(config, cfg.model)
+        numerics = mapping.model_fields(config, target.model)
     except HFConfigRefused as e:
         raise ImportRefused(f"{config_file}: {e}") from None
-    cfg, taken_over = _take_over(cfg, numerics, str(config_file))
+    target, taken_over = _take_over(target, numerics, str(config_file))
     from safetensors.torch import load_file
 
     weight_files = _hf_weight_files(source)
@@ -165,18 +169,19 @@ def _plan_hf(cfg: RunConfig, source: Path) -> ImportPlan:
     normalise = getattr(mapping, "normalised_hf_keys", None)
     hf = normalise(hf) if normalise else hf
     hf = {k: v for k, v in hf.items() if not mapping.IGNORED_HF_KEYS.fullmatch(k)}
-    base = _reference_state(cfg)
-    expected = mapping.hf_state_dict(base, cfg.model)
+    base = _reference_state(target.model)
+    expected = mapping.hf_state_dict(base, target.model)
     _compare_hf(hf, expected, mapping.optional_hf_keys(config), mapping.SHAPE_HINTS, source)
-    rest, attention = mapping.from_hf_state_dict({k: v.float() for k, v in hf.items()}, cfg.model, config)
-    state = _assemble(cfg, base, rest, attention, names=_hf_attention_names(mapping, cfg.model))
+    rest, attention = mapping.from_hf_state_dict({k: v.float() for k, v in hf.items()}, target.model, config)
+    state = _assemble(target, base, rest, attention, names=_hf_attention_names(mapping, target.model))
     files = [config_file, *weight_files] + ([source / HF_INDEX] if (source / HF_INDEX).is_file() else [])
-    tokenizer, tokenizer_file = _compare_tokenizer_file(cfg, source / "tokenizer.model", f"{source}/tokenizer.model")
+    candidate = source / "tokenizer.model"
+    tokenizer, tokenizer_file = _compare_tokenizer_file(target.tokenizer, candidate, str(candidate))
     if tokenizer_file is not None:
         files.append(tokenizer_file)
-    record = _record(cfg, "hugging_face", source, None, {str(p.relative_to(source)): _file_entry(p) for p in files},
-                     taken_over, tokenizer, source_attention=None)
-    return ImportPlan(cfg, record, state)
+    entries = {str(p.relative_to(source)): _file_entry(p) for p in files}
+    record = _record(target.qk, "hugging_face", source, None, entries, taken_over, tokenizer, source_attention=None)
+    return ImportPlan(target.model, record, state)
 
 
 def _hf_weight_files(source: Path) -> list[Path]:
@@ -193,10 +198,10 @@ def _hf_weight_files(source: Path) -> list[Path]:
     pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in source.glob(pattern))
     if pickled:
         raise ImportRefused(
-            f"config error at 'train.init_from': {source} holds its weights as {pickled[0]} (pickle), which can run "
+            f"config error at 'init_from.path': {source} holds its weights as {pickled[0]} (pickle), which can run "
             "code when loaded: this project reads safetensors only. Convert them where you trust the file, e.g. "
             "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) (writes model.safetensors)")
-    raise ImportRefused(f"config error at 'train.init_from': {source} holds no *.safetensors weights")
+    raise ImportRefused(f"config error at 'init_from.path': {source} holds no *.safetensors weights")
 
 
 def _compare_hf(hf: dict, expected: dict, optional: tuple, hints: dict, source: Path) -> None:
@@ -227,24 +232,24 @@ def _hf_attention_names(mapping, model: ModelConfig) -> dict[str, str]:
             for i in range(1, model.num_layers + 1)}
 
 
-def _plan_run(cfg: RunConfig, run: RunDir, tag: str) -> ImportPlan:
+def _plan_run(target: Target, run: RunDir, tag: str) -> ImportPlan:
     from pretrain.checkpoint.consolidate import CheckpointMismatch, consolidated_state_dict
     from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
 
     where = run.checkpoint(tag)
     problems = run.verify_checkpoint(tag)
     if problems:
-        raise ImportRefused(f"config error at 'train.init_from': checkpoint {where} is damaged: {problems[0]}")
+        raise ImportRefused(f"config error at 'init_from.path': checkpoint {where} is damaged: {problems[0]}")
     try:
-        source_cfg = run.read_config()
+        source_cfg = read_run_config(run)
     except (ValueError, OSError) as e:
-        raise ImportRefused(f"config error at 'train.init_from': cannot read {run.config}: {e}") from None
-    src, model = source_cfg.model, cfg.model
+        raise ImportRefused(f"config error at 'init_from.path': cannot read {run.config}: {e}") from None
+    src, model = source_cfg.model, target.model
     if src.family != model.family:
         raise ImportRefused(f"config error at 'model.family': {model.family}, but {run.path} trained a {src.family} "
                             "model")
     if not src.attention.uses_qk:
-        raise ImportRefused(f"config error at 'train.init_from': {run.path} trained attention type "
+        raise ImportRefused(f"config error at 'init_from.path': {run.path} trained attention type "
                             f"'{src.attention.type}', which has no Q/K projections to import")
     for name in ("num_attention_heads", "query_groups", "vocab_size"):  # shapes may not show these
         if getattr(src, name) != getattr(model, name):
@@ -255,24 +260,24 @@ def _plan_run(cfg: RunConfig, run: RunDir, tag: str) -> ImportPlan:
     numerics = {"activation": src.activation_name, "layernorm_epsilon": src.layernorm_epsilon}
     if family_of(model).position_embedding == "rope":
         numerics["rotary_base"] = src.rotary_base
-    cfg, taken_over = _take_over(cfg, numerics, str(run.config))
+    target, taken_over = _take_over(target, numerics, str(run.config))
     try:
         consolidated = consolidated_state_dict(source_cfg, where)
     except (CheckpointMismatch, UnsafeCheckpointFile, OSError) as e:
-        raise ImportRefused(f"config error at 'train.init_from': {where}: {e}") from None
+        raise ImportRefused(f"config error at 'init_from.path': {where}: {e}") from None
     source_state = {k: v for k, v in consolidated.state_dict.items() if isinstance(v, torch.Tensor)}
     rest, attention = split_attention(source_state, src)
-    base = _reference_state(cfg)
-    base_rest, base_attention = split_attention(base, cfg.model)
-    _compare_ours(rest, attention, base_rest, base_attention, cfg.model, run.path)
-    state = _assemble(cfg, base, rest, attention, names={p: f"{p}.linear_qkv" for p in attention})
+    base = _reference_state(target.model)
+    base_rest, base_attention = split_attention(base, target.model)
+    _compare_ours(rest, attention, base_rest, base_attention, target.model, run.path)
+    state = _assemble(target, base, rest, attention, names={p: f"{p}.linear_qkv" for p in attention})
     integrity = json.loads(run.integrity_record_file(tag).read_text())["files"]
     files = {"config.yaml": _file_entry(run.config),
              **{f"checkpoints/{tag}/{name}": entry for name, entry in sorted(integrity.items())}}
-    tokenizer = _compare_run_tokenizer(cfg, source_cfg, run)
-    record = _record(cfg, "run", run.path.resolve(), tag, files, taken_over, tokenizer,
+    tokenizer = _compare_run_tokenizer(target.tokenizer, source_cfg.data, run)
+    record = _record(target.qk, "run", run.path.resolve(), tag, files, taken_over, tokenizer,
                      source_attention=src.attention.type)
-    return ImportPlan(cfg, record, state)
+    return ImportPlan(target.model, record, state)
 
 
 def split_attention(state: dict[str, torch.Tensor], model: ModelConfig) -> tuple[dict, dict[str, QKV]]:
@@ -313,11 +318,11 @@ def _vocab_fits(name: str, got: torch.Tensor, want: torch.Tensor, model: ModelCo
             and min(got.size(0), want.size(0)) >= model.vocab_size)
 
 
-def _assemble(cfg: RunConfig, base: dict[str, torch.Tensor], rest: dict, attention: dict[str, QKV],
+def _assemble(target: Target, base: dict[str, torch.Tensor], rest: dict, attention: dict[str, QKV],
               names: dict[str, str]) -> dict[str, torch.Tensor]:
     """The run's whole model: `rest` (the padding rows as `_vocab_fits` allows), Q/K/V joined into the
-    run's attention layout, Q/K drawn or imported as train.init_from_qk says."""
-    model = cfg.model
+    run's attention layout, Q/K drawn or imported as init_from.qk says."""
+    model = target.model
     separate = model.attention.custom_qkv
     base_rest, base_attention = split_attention(base, model)
     state = {}
@@ -328,12 +333,12 @@ def _assemble(cfg: RunConfig, base: dict[str, torch.Tensor], rest: dict, attenti
         state[name] = got.contiguous()
     for prefix, qkv in attention.items():
         drawn = base_attention[prefix]
-        if separate and cfg.train.init_from_qk == "draw":
+        if separate and target.qk == "draw":
             qkv = qkv._replace(q=drawn.q, k=drawn.k, q_bias=None, k_bias=None)
         elif separate:  # imported: K's bias adds q·b_k to every score of a query alike; softmax ignores it
             if qkv.q_bias is not None and bool(qkv.q_bias.ne(0).any()):
                 raise ImportRefused(
-                    f"config error at 'train.init_from_qk': imported, but the source's Q bias ({names[prefix]}) is "
+                    f"config error at 'init_from.qk': imported, but the source's Q bias ({names[prefix]}) is "
                     f"nonzero, and {model.attention.type}'s frozen Q carries none: use draw, or import into vanilla "
                     "attention")
             qkv = qkv._replace(q_bias=None, k_bias=None)
@@ -347,11 +352,8 @@ def _assemble(cfg: RunConfig, base: dict[str, torch.Tensor], rest: dict, attenti
 
 
 # ---------------------------------------------------------------------------- tokenizer
-def _compare_tokenizer_file(cfg: RunConfig, candidate: Path, label: str) -> tuple[str, Optional[Path]]:
-    """(what the record says about the tokenizer, the file compared if any)."""
-    from pretrain.runtime.data import tokenizer_path
-
-    ours = tokenizer_path(cfg)
+def _compare_tokenizer_file(ours: Optional[str], candidate: Path, label: str) -> tuple[str, Optional[Path]]:
+    """(what the record says about the tokenizer, the file compared if any), `ours` the run's."""
     if ours is None:
         return "not compared: the run reads mock data", None
     if not candidate.is_file():
@@ -362,16 +364,16 @@ def _compare_tokenizer_file(cfg: RunConfig, candidate: Path, label: str) -> tupl
     return f"the same sentencepiece model as {label} (sha256)", candidate
 
 
-def _compare_run_tokenizer(cfg: RunConfig, source_cfg: RunConfig, run: RunDir) -> str:
+def _compare_run_tokenizer(ours: Optional[str], source_data: DataConfig, run: RunDir) -> str:
     from pretrain.runtime.data import tokenizer_path
 
     try:
-        theirs = tokenizer_path(source_cfg)
+        theirs = tokenizer_path(source_data)
     except (OSError, ValueError, KeyError):
         return f"not compared: the tokenizer of {run.path} cannot be found (its manifest moved?)"
     if theirs is None:
         return f"not compared: {run.path} trained on mock data"
-    return _compare_tokenizer_file(cfg, Path(theirs), theirs)[0]
+    return _compare_tokenizer_file(ours, Path(theirs), theirs)[0]
 
 
 # ---------------------------------------------------------------------------- the record
@@ -379,10 +381,10 @@ def _file_entry(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _record(cfg: RunConfig, kind: str, source: Path, tag: Optional[str], files: dict, taken_over: dict,
+def _record(qk: Optional[str], kind: str, source: Path, tag: Optional[str], files: dict, taken_over: dict,
             tokenizer: str, source_attention: Optional[str]) -> dict:
     return {"source": str(source), "kind": kind, "checkpoint": tag, "source_attention": source_attention,
-            "files": files, "qk": cfg.train.init_from_qk, "taken_over": taken_over, "tokenizer": tokenizer,
+            "files": files, "qk": qk, "taken_over": taken_over, "tokenizer": tokenizer,
             "weights": None, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
@@ -397,31 +399,3 @@ def write_import(run_dir: RunDir, plan: ImportPlan) -> None:
     weights = str(run_dir.init_from_weights.relative_to(run_dir.path))
     run_dir.write_init_from({**plan.record, "weights": {"file": weights,
                                                         **_file_entry(run_dir.init_from_weights)}})
-
-
-def forget_import(run_dir: RunDir) -> None:
-    """A fresh start without train.init_from: an import left by an earlier start that never saved a
-    checkpoint is not this run's."""
-    run_dir.init_from_record.unlink(missing_ok=True)
-    shutil.rmtree(run_dir.init_from_dir, ignore_errors=True)
-
-
-def apply_record(cfg: RunConfig, run_dir: RunDir) -> RunConfig:
-    """The config as the run trains it: the settings its import took over (from its record), if any."""
-    record = run_dir.read_init_from()
-    if not record:
-        return cfg
-    model = cfg.model
-    for key, (_, new) in record["taken_over"].items():
-        model = replace(model, **{key.removeprefix("model."): new})
-    return dataclasses.replace(cfg, model=model)
-
-
-# ---------------------------------------------------------------------------- the workers' side
-def load_import(train_engine, run_dir: RunDir) -> int:
-    """Set this rank's weights (and fp32 masters) from the run's import; returns the parameters set."""
-    from safetensors.torch import load_file
-
-    from pretrain.checkpoint.reshard import load_weights
-
-    return load_weights(train_engine, load_file(str(run_dir.init_from_weights)))
