@@ -168,7 +168,7 @@ def test_a_run_started_from_imported_weights_resumes_like_an_uninterrupted_one(h
     c_attn = weights["transformer.h.0.attn.c_attn.weight"].t()
     assert torch.equal(state["layer1.layer.self_attention.linear_qkv.q_weight"], c_attn[:64])
     assert torch.equal(state["layer1.layer.self_attention.linear_qkv.k_weight"], c_attn[64:128])
-    assert to_dict(cfg)["train"]["init_from"] == str(source)
+    assert to_dict(cfg)["init_from"]["path"] == str(source)
     # Exported again: the tanh GELU it took over is written as the function it computes, and verified.
     figures = export(run, tmp_path / "hf_again")
     assert figures["passed"], figures
