@@ -25,6 +25,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from pretrain.runtime.ds_internals import engine_config
+
 DEEPSPEED_CHECKPOINT_CLASSES = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
@@ -93,4 +95,4 @@ def restrict_checkpoint_loading(engine) -> None:
     if type(engine.checkpoint_engine) not in (TorchCheckpointEngine, RestrictedCheckpointEngine):
         raise RuntimeError(f"DeepSpeed's checkpoint engine is {type(engine.checkpoint_engine).__name__}, not its "
                            "torch engine: re-check restrict_checkpoint_loading")
-    engine.checkpoint_engine = RestrictedCheckpointEngine(engine._config)
+    engine.checkpoint_engine = RestrictedCheckpointEngine(engine_config(engine))

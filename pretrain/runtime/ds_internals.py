@@ -1,4 +1,4 @@
-"""Every use of DeepSpeed's optimizer internals (private attributes, undocumented layouts) in one
+"""Every use of DeepSpeed's internals (private attributes, undocumented layouts) in one
 place; reading its checkpoint files is pretrain/checkpoint's (unpickling.py, zero_files.py).
 
 Each function says why the public API does not suffice. All were checked against DeepSpeed
@@ -27,6 +27,12 @@ from deepspeed.utils import (
 from pretrain.stability import guard_steps
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def engine_config(ds_engine: DeepSpeedEngine):
+    """The engine's parsed DeepSpeedConfig, which DeepSpeed keeps private (`_config`) and builds its
+    checkpoint engine from."""
+    return ds_engine._config
 
 
 def base_optimizer(ds_engine: DeepSpeedEngine) -> torch.optim.Optimizer:
