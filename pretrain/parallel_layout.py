@@ -41,5 +41,13 @@ class ParallelLayout:
     def pipeline_rank(self, rank: int) -> int:
         return rank // (self.tensor * self.data)
 
+    def to_json(self) -> dict:
+        """The sizes as records hold them, the data-parallel size spelt out for a reader."""
+        return {"world_size": self.world_size, "data": self.data, "tensor": self.tensor, "pipeline": self.pipeline}
+
+    @classmethod
+    def from_json(cls, record: dict) -> ParallelLayout:
+        return cls(record["world_size"], record["tensor"], record["pipeline"])
+
     def __str__(self) -> str:
         return f"DP{self.data}/TP{self.tensor}/PP{self.pipeline}"

@@ -202,7 +202,7 @@ def _prepare_import(start: Start, run_dir: RunDir, check_only: bool, plan: Optio
     from pretrain.checkpoint.import_plan import write_import
 
     print(plan.notice(), file=sys.stderr)
-    start.cfg = replace(start.cfg, model=plan.model)
+    start.cfg = plan.cfg
     if not check_only:
         write_import(run_dir, plan)
 

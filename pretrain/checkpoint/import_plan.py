@@ -50,10 +50,9 @@ HF_INDEX = "model.safetensors.index.json"
 class ImportPlan:
     """A checked and converted import, before anything is written."""
 
-    model: ModelConfig  # the run's model with the source's numerics taken over
+    cfg: RunConfig  # the run's config with the source's numerics taken over into its model
     record: dict  # what RUN/init_from.json will hold
     state: dict[str, torch.Tensor] = field(repr=False)  # the run's whole model, TP=1 names, fp32
-    cfg: Optional[RunConfig] = None  # the run's config with that model (plan_import sets it)
 
     def notice(self) -> str:
         r = self.record
@@ -93,15 +92,15 @@ def plan_import(cfg: RunConfig) -> ImportPlan:
         raise ImportRefused(f"config error at 'init_from.path': {source} does not exist")
     target = Target(cfg.model, cfg.init_from.qk, tokenizer_path(cfg.data))
     if source.is_dir() and (source / "config.json").is_file():
-        plan = _plan_hf(target, source.resolve())
+        model, record, state = _plan_hf(target, source.resolve())
     else:
         run, tag = _run_source(source)
         if run is None:
             raise ImportRefused(f"config error at 'init_from.path': {source} is neither a Hugging Face model "
                                 "directory (config.json and *.safetensors) nor a run dir of this project "
                                 "(config.yaml) nor one of its checkpoints (RUN/checkpoints/<tag>)")
-        plan = _plan_run(target, run, tag)
-    return replace(plan, cfg=replace(cfg, model=plan.model))
+        model, record, state = _plan_run(target, run, tag)
+    return ImportPlan(replace(cfg, model=model), record, state)
 
 
 def _run_source(source: Path) -> tuple[Optional[RunDir], Optional[str]]:
@@ -142,7 +141,10 @@ def _take_over(target: Target, values: dict[str, Any], origin: str) -> tuple[Tar
     return replace(target, model=model), changed
 
 
-def _plan_hf(target: Target, source: Path) -> ImportPlan:
+Converted = tuple[ModelConfig, dict, dict[str, torch.Tensor]]  # ImportPlan's model, record and state
+
+
+def _plan_hf(target: Target, source: Path) -> Converted:
     config_file = source / "config.json"
     try:
         config = json.loads(config_file.read_text())
@@ -181,7 +183,7 @@ def _plan_hf(target: Target, source: Path) -> ImportPlan:
         files.append(tokenizer_file)
     entries = {str(p.relative_to(source)): _file_entry(p) for p in files}
     record = _record(target.qk, "hugging_face", source, None, entries, taken_over, tokenizer, source_attention=None)
-    return ImportPlan(target.model, record, state)
+    return target.model, record, state
 
 
 def _hf_weight_files(source: Path) -> list[Path]:
@@ -232,7 +234,7 @@ def _hf_attention_names(mapping, model: ModelConfig) -> dict[str, str]:
             for i in range(1, model.num_layers + 1)}
 
 
-def _plan_run(target: Target, run: RunDir, tag: str) -> ImportPlan:
+def _plan_run(target: Target, run: RunDir, tag: str) -> Converted:
     from pretrain.checkpoint.consolidate import CheckpointMismatch, consolidated_state_dict
     from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
 
@@ -277,7 +279,7 @@ def _plan_run(target: Target, run: RunDir, tag: str) -> ImportPlan:
     tokenizer = _compare_run_tokenizer(target.tokenizer, source_cfg.data, run)
     record = _record(target.qk, "run", run.path.resolve(), tag, files, taken_over, tokenizer,
                      source_attention=src.attention.type)
-    return ImportPlan(target.model, record, state)
+    return target.model, record, state
 
 
 def split_attention(state: dict[str, torch.Tensor], model: ModelConfig) -> tuple[dict, dict[str, QKV]]:

@@ -90,15 +90,12 @@ class Topology:
         return f"{self.layout}/ZeRO-{self.zero_stage}"
 
     def to_json(self) -> dict:
-        """topology.json's and meta.json's record (the data-parallel size spelt out, for a reader)."""
-        layout = self.layout
-        return {"world_size": layout.world_size, "data": layout.data, "tensor": layout.tensor,
-                "pipeline": layout.pipeline, "zero_stage": self.zero_stage, "precision": self.precision}
+        """topology.json's and meta.json's record."""
+        return {**self.layout.to_json(), "zero_stage": self.zero_stage, "precision": self.precision}
 
     @classmethod
     def from_json(cls, record: dict) -> Topology:
-        layout = ParallelLayout(record["world_size"], record["tensor"], record["pipeline"])
-        return cls(layout, record["zero_stage"], record["precision"])
+        return cls(ParallelLayout.from_json(record), record["zero_stage"], record["precision"])
 
 
 def run_topology(cfg: RunConfig, world_size: int) -> Topology:

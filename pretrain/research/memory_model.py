@@ -87,9 +87,10 @@ class Layout:
         return self.precision != "fp32"
 
     def to_json(self) -> dict:
-        """The plan's record: the parallel sizes (data spelt out) beside the rest, in one mapping."""
+        """The plan's record: the parallel sizes beside the rest, in one mapping."""
         fields = dataclasses.asdict(self)
-        return {**fields.pop("parallel"), "data": self.parallel.data, **fields}
+        del fields["parallel"]
+        return {**self.parallel.to_json(), **fields}
 
 
 @dataclass(frozen=True)

@@ -151,12 +151,11 @@ def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor") 
         model.fused_loss = torch.compile(model.fused_loss, backend=backend)
 
 
-def build_model(cfg: RunConfig) -> torch.nn.Module:
+def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
     # DeepSpeed's comm layer wraps the existing torch process group (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     specs = stage_specs(cfg.model, cfg.parallel)
-    if cfg.parallel.pipeline > 1:
-        layout = ParallelLayout.of(cfg.parallel, torch.distributed.get_world_size())
+    if layout.pipeline > 1:
         model = _pipeline_module(specs, layout, cfg.train.activation_checkpointing)
     else:
         model = StagedGPT(specs)
@@ -167,7 +166,8 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
 
 
 def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None = None) -> TrainEngine:
-    model = model if model is not None else build_model(cfg)
+    layout = ParallelLayout.of(cfg.parallel, torch.distributed.get_world_size())
+    model = model if model is not None else build_model(cfg, layout)
     opt = cfg.optimizer
     fp32_zero0 = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
     optimizer = build_optimizer(model, opt, decides_skips=fp32_zero0)
@@ -179,7 +179,6 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
     skip_nonfinite_steps_by_norm(ds_engine)
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(ds_engine, ds_engine.optimizer.record_clip_norm)
-    layout = ParallelLayout.of(cfg.parallel, torch.distributed.get_world_size())
     single_replica = fp32_zero0 and not pipelined and layout.data == 1
     return TrainEngine(ds_engine=ds_engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
                        layout=layout, single_replica=single_replica,

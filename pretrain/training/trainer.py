@@ -102,7 +102,8 @@ class Trainer:
         self.batches = StepBatches(datasets, order, prefetch=torch.cuda.is_available(),
                                    extra_keys=document_keys(cfg.data))
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
-        self.faults = Faults(cfg.faults, rank, attempt_number())
+        self.attempt = attempt_number()
+        self.faults = Faults(cfg.faults, rank, self.attempt)
         self.restarts = job_restarts(run_dir)
         self.hangs = sum(bool(r.hang_dumps) for r in self.restarts)
 
@@ -206,7 +207,7 @@ class Trainer:
 
     def train(self) -> Summary:
         logger = MetricsLogger(self.run_dir, self.cfg, to_dict(self.cfg), start_step=self.state.step)
-        if attempt_number() > 0 and self.restarts:  # this job restarted: its record, as an event
+        if self.attempt > 0 and self.restarts:  # this job restarted: its record, as an event
             detail = {k: v for k, v in vars(self.restarts[-1]).items() if k != "log_tail"}
             logger.event(self.state.step, "restart", {**detail, "training_again_at": time.time()})
         try:

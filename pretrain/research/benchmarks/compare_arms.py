@@ -58,7 +58,6 @@ import sys
 import time
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -69,6 +68,7 @@ from ora_megatron.model_config import AttentionType, ModelConfig
 from ora_megatron.orthogonal import METHODS
 from ora_megatron.summary import train_flops_per_token
 from pretrain.config import RunConfig, load_run_config, validate_for_world
+from pretrain.research.benchmarks.outputs import publish, rerun_command
 from pretrain.research.memory_plan import (
     config_path,  # a file, or a preset name: resolved as `python -m pretrain.research.memory_plan` does
 )
@@ -408,10 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_group:
             destroy_distributed()
-    report["command"] = ["python", "-m", __spec__.name, *(argv if argv is not None else sys.argv[1:])]
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    print(table(report))
+    report["command"] = rerun_command(__spec__.name, argv)
+    publish(table(report), json.dumps(report, indent=2), args.json, None)
     return 0
 
 

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from ora_megatron import cross_entropy
 from ora_megatron.cross_entropy import default_chunk_path, linear_cross_entropy
+from pretrain.research.benchmarks.outputs import publish, rerun_command
 
 SCHEMA = "ora-loss-kernels/1"
 CASES = ("shipped", "eager_chunks", "compiled_chunks", "whole_compiled", "logits_ce_eager", "logits_ce_compiled",
@@ -319,14 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args, device)
-    command = ["python", "-m", "pretrain.research.benchmarks.loss_kernels",
-               *(argv if argv is not None else sys.argv[1:])]
-    table = markdown(rows)
-    if args.jsonl:
-        args.jsonl.write_text("".join(json.dumps({**row, "command": command}) + "\n" for row in rows))
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
-    print(table)
+    command = rerun_command(__spec__.name, argv)
+    lines = "".join(json.dumps({**row, "command": command}) + "\n" for row in rows)
+    publish(markdown(rows), lines, args.jsonl, args.markdown)
     return 0
 
 

@@ -37,6 +37,7 @@ from ora_megatron.model_config import ModelConfig
 from ora_megatron.orthogonal import METHODS, frozen_projection
 from pretrain.config import load_run_config
 from pretrain.paths import preset_path
+from pretrain.research.benchmarks.outputs import publish, rerun_command
 
 SCHEMA = "ora-orthogonal-draws/1"
 PRESETS = ("small", "base", "large")
@@ -122,14 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.repeats < 1 or (args.layers is not None and args.layers < 1):
         parser.error(f"unknown methods {unknown}" if unknown else "--repeats and --layers must be >= 1")
     report = run([p for p in args.presets.split(",") if p], methods, args.repeats, args.layers)
-    report["command"] = ["python", "-m", "pretrain.research.benchmarks.orthogonal_draws",
-                         *(argv if argv is not None else sys.argv[1:])]
-    table = markdown(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
-    print(table)
+    report["command"] = rerun_command(__spec__.name, argv)
+    publish(markdown(report), json.dumps(report, indent=2) + "\n", args.json, args.markdown)
     return 0
 
 
