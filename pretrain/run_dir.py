@@ -27,7 +27,19 @@ flock belongs to the open file description, so every process holding a descripto
 lock, and the kernel drops it with the last one, however the processes end (SIGKILL included): a
 dead job never blocks the resume. A process hands its lock to the processes it starts (workers,
 a sweep's run) as their stdin, since torchrun and DeepSpeed's launcher close every other
-descriptor in their workers, and sets LOCK_ON_STDIN; `acquire_lock()` in such a process adopts it.
+descriptor in their workers, and sets LOCK_ON_STDIN; `acquire_lock()` in such a process adopts it,
+and a rank holds it with `handed_down_lock()`. Adopting takes it off stdin: the lock stays on a
+close-on-exec descriptor that forked children close, and stdin becomes /dev/null, so the processes
+a rank or a launcher starts besides its workers (wandb's service, git, compilers, DataLoader
+workers) never hold it, and none outlives the job holding it.
+
+A job killed a moment ago can still hold the lock for a while: a SIGKILLed rank's threads exit
+after its main thread, tearing down its memory, and only the last of them drops the lock (up to
+half a second measured on a loaded 2-core machine, well after the launcher has been reaped). So
+where the lock is held and the process recorded in run.lock has ended on this host, a start waits
+up to STRAGGLER_WAIT_S for the lock before refusing. A refusal names the recorded holder and every
+process of this host that holds the lock (pid and command line, from /proc: those of other users
+and hosts cannot be listed).
 """
 
 from __future__ import annotations
@@ -43,16 +55,19 @@ import re
 import shlex
 import sys
 import time
+import weakref
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from ora_megatron.config_io import parse_yaml, to_dict
+from pretrain.lock_holders import LockHolder, flock_holders, process_ended
 from pretrain.run_records import EvalRecord, EventRecord, ExperimentRecord, Record, RestartRecord, Summary, TrainRecord
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
 LOCK_ON_STDIN = "ORA_RUN_DIR_LOCK_ON_STDIN"  # "1": this process's stdin is its run dir's lock
+STRAGGLER_WAIT_S = 5.0  # a start's wait for the processes of a job whose recorded holder has ended
 
 
 def config_hash(cfg) -> str:
@@ -110,15 +125,29 @@ class RunDirBusy(Exception):
     """Another job holds the run dir's lock; the message names it."""
 
 
+_LOCKS_HELD = weakref.WeakSet()  # every RunDirLock of this process, closed in its forked children
+
+
+def _close_locks_in_forked_child() -> None:
+    for lock in list(_LOCKS_HELD):
+        lock.release()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_forked_child)
+
+
 class RunDirLock:
     """A held run-dir lock: an open descriptor of run.lock with an exclusive flock on it.
 
     Closing the descriptor (or dropping the object) is the only release: flock(LOCK_UN) would
     also unlock it for the processes the lock was handed to, which share the open file description.
+    The descriptor is close-on-exec, and a forked child closes it at once (os.register_at_fork):
+    only a handing down (as_stdin) gives the lock to another process.
     """
 
     def __init__(self, fd: int):
         self.fd = fd
+        _LOCKS_HELD.add(self)
 
     def __del__(self):
         self.release()
@@ -152,6 +181,14 @@ class RunDirLock:
                 del os.environ[LOCK_ON_STDIN]
             else:
                 os.environ[LOCK_ON_STDIN] = previous
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 class _Entry:
@@ -241,18 +278,17 @@ class RunDir:
 
     # ------------------------------------------------------------------ the job's lock
     def acquire_lock(self) -> RunDirLock:
-        """The run dir's lock for this job: the one handed down to this process (LOCK_ON_STDIN),
-        else taken now and recorded as held by this process. Raises RunDirBusy naming the holder."""
-        handed_down = self._handed_down_lock()
+        """The run dir's lock for this job: the one handed down to this process (LOCK_ON_STDIN, taken
+        off stdin), else taken now and recorded as held by this process. Raises RunDirBusy naming the
+        holders."""
+        handed_down = self._adopt_handed_down_lock()
         if handed_down is not None:
             return handed_down
         self.path.mkdir(parents=True, exist_ok=True)
         lock = RunDirLock(os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644))
-        try:
-            fcntl.flock(lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not self._free_after_stragglers(lambda: _try_flock(lock.fd)):
             lock.release()
-            raise RunDirBusy(self._busy_message()) from None
+            raise RunDirBusy(self._busy_message())
         lock.record_holder(os.getpid(), shlex.join([sys.executable, *sys.argv]))
         return lock
 
@@ -261,8 +297,19 @@ class RunDir:
         handed_down = self._handed_down_lock()
         if handed_down is not None:
             handed_down.release()
-        elif self.lock_holder() is not None:
+        elif not self._free_after_stragglers(lambda: self.lock_holder() is None):
             raise RunDirBusy(self._busy_message())
+
+    @contextlib.contextmanager
+    def handed_down_lock(self):
+        """Hold the lock handed down to this process (a rank: LOCK_ON_STDIN) for the block, off stdin,
+        so that no process it starts holds it; nothing when none was handed down."""
+        lock = self._adopt_handed_down_lock()
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
 
     def lock_holder(self) -> Optional[str]:
         """Who holds the lock ("pid N on HOST since TIME: COMMAND"), None when nobody does.
@@ -279,16 +326,51 @@ class RunDir:
             os.close(fd)
         return None
 
-    def _recorded_holder(self) -> str:
+    def lock_holders(self) -> list[LockHolder]:
+        """The processes of this host that hold the lock (flock_holders)."""
+        return flock_holders(self.lock_file)
+
+    def _holder_record(self) -> Optional[dict]:
         try:
             holder = json.loads(self.lock_file.read_text())
-            return f"pid {holder['pid']} on {holder['host']} since {holder['start_time']}: {holder['command']}"
-        except (OSError, ValueError, KeyError, TypeError):  # its holder is writing it this instant
+            return holder if {"pid", "host", "start_time", "command"} <= holder.keys() else None
+        except (OSError, ValueError, AttributeError):  # its holder is writing it this instant
+            return None
+
+    def _recorded_holder(self) -> str:
+        holder = self._holder_record()
+        if holder is None:
             return f"a process that has not recorded itself in {self.lock_file} yet"
+        return f"pid {holder['pid']} on {holder['host']} since {holder['start_time']}: {holder['command']}"
+
+    def _recorded_holder_ended(self) -> bool:
+        """Whether the process recorded in run.lock ran on this host and has ended."""
+        holder = self._holder_record()
+        return holder is not None and holder["host"] == platform.node() and process_ended(int(holder["pid"]))
+
+    def _free_after_stragglers(self, free: Callable[[], bool]) -> bool:
+        """free() now, or, where the recorded holder has ended on this host, within STRAGGLER_WAIT_S:
+        what is left of a job killed a moment ago (its ranks' threads exiting) still holds the lock."""
+        if free():
+            return True
+        if not self._recorded_holder_ended():
+            return False
+        deadline = time.monotonic() + STRAGGLER_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if free():
+                return True
+        return False
 
     def _busy_message(self) -> str:
-        return (f"run dir {self.path} is in use by {self._recorded_holder()}; one job at a time writes a run "
-                "dir, and it is free again when that job has ended")
+        if self._recorded_holder_ended():
+            head = (f"run dir {self.path} is in use: its lock was taken by {self._recorded_holder()}, which has "
+                    f"ended, but {STRAGGLER_WAIT_S:g} s later other processes still hold it; it is free again "
+                    "when they have ended")
+        else:
+            head = (f"run dir {self.path} is in use by {self._recorded_holder()}; one job at a time writes a run "
+                    "dir, and it is free again when that job has ended")
+        return "".join([head, *(f"\n  held by {holder}" for holder in self.lock_holders())])
 
     def _handed_down_lock(self) -> Optional[RunDirLock]:
         """This run dir's lock, when the process that started this one handed it down as stdin."""
@@ -302,6 +384,16 @@ class RunDir:
         except OSError:  # stdin closed, no lock file, or another job's lock (BlockingIOError)
             return None
         return RunDirLock(os.dup(0))
+
+    def _adopt_handed_down_lock(self) -> Optional[RunDirLock]:
+        """The handed-down lock, taken off stdin (/dev/null there, LOCK_ON_STDIN unset)."""
+        lock = self._handed_down_lock()
+        if lock is not None:
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+            del os.environ[LOCK_ON_STDIN]
+        return lock
 
     # ------------------------------------------------------------------ checkpoints
     @property

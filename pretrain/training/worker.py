@@ -53,7 +53,9 @@ def launched_worker(args: argparse.Namespace) -> int:
     except (ConfigError, StartRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    return train_worker(RunDir(start.run_dir), start.cfg, start.finished if start.resolves else None)
+    # Rank 0 adopted a handed-down lock as it resolved the start (start.lock); the others adopt it here.
+    with RunDir(start.run_dir).handed_down_lock():
+        return train_worker(RunDir(start.run_dir), start.cfg, start.finished if start.resolves else None)
 
 
 def train_worker(run_dir: RunDir, known: RunConfig, finished: Optional[str] = None) -> int:
@@ -152,7 +154,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     die_with_launcher()
     run_dir = RunDir(args.run_dir)
-    return train_worker(run_dir, read_run_config(run_dir))
+    with run_dir.handed_down_lock():  # the launcher's, held as long as this rank lives
+        return train_worker(run_dir, read_run_config(run_dir))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """One job at a time per run dir (pretrain/run_dir.py's lock): a second job is refused with status 2
-naming the first, a killed holder never blocks, the lock is handed down to the processes a job
-starts (torchrun's workers, a sweep's run), and the sweep's dry run decides as a real sweep does."""
+naming the first and every process that holds the lock, a killed holder never blocks (what is left of
+it gets a bounded wait), the lock is handed down to the processes a job starts (torchrun's workers, a
+sweep's run) and no further, and the sweep's dry run decides as a real sweep does."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pretrain_runs import REPO, arguments, command, env, forbid_workers, records
 from processes import workers_of
 
 from pretrain import pretrain_ora
+from pretrain import run_dir as run_dir_module
 from pretrain.research.sweep.__main__ import main as sweep_main
 from pretrain.research.sweep.runner import DoneSincePlanned, start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
@@ -107,6 +109,93 @@ def test_as_stdin_hands_the_lock_to_processes_started_within_and_then_restores_s
     assert run_dir.lock_holder() is None
 
 
+def test_refusal_names_every_process_that_holds_the_lock(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    lock = run_dir.acquire_lock()  # recorded: this process, which lives on
+    helpers = [subprocess.Popen(["sleep", "600"], stdin=lock.fd) for _ in range(2)]  # they inherited it
+    lock.release()
+    try:
+        with pytest.raises(RunDirBusy) as refused:
+            run_dir.acquire_lock()
+        first, *held_by = str(refused.value).splitlines()
+        assert first.startswith(f"run dir {run_dir.path} is in use by pid {os.getpid()} on ")
+        assert sorted(held_by) == sorted(f"  held by pid {helper.pid}: sleep 600" for helper in helpers)
+    finally:
+        for helper in helpers:
+            kill(helper)
+
+
+def left_by_a_killed_job(run_dir: RunDir, straggler: list[str]) -> subprocess.Popen:
+    """The lock as a job killed a moment ago leaves it: the process recorded in run.lock has ended, and
+    `straggler`, a process of that job, still holds the lock."""
+    lock = run_dir.acquire_lock()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    lock.record_holder(ended.pid, "the killed job")
+    process = subprocess.Popen(straggler, stdin=lock.fd)
+    lock.release()
+    return process
+
+
+def test_a_start_waits_for_what_is_left_of_a_killed_job(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    straggler = left_by_a_killed_job(run_dir, ["sleep", "1"])
+    started = time.monotonic()
+    run_dir.check_lock()
+    lock = run_dir.acquire_lock()
+    assert time.monotonic() - started < run_dir_module.STRAGGLER_WAIT_S
+    assert straggler.poll() == 0, "the lock was taken once the straggler had exited"
+    assert run_dir.lock_holder().startswith(f"pid {os.getpid()} on ")
+    lock.release()
+
+
+def test_a_straggler_that_outlives_the_wait_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_dir_module, "STRAGGLER_WAIT_S", 0.5)
+    run_dir = RunDir(tmp_path / "run")
+    straggler = left_by_a_killed_job(run_dir, ["sleep", "600"])
+    try:
+        for start in (run_dir.check_lock, run_dir.acquire_lock):
+            started = time.monotonic()
+            with pytest.raises(RunDirBusy) as refused:
+                start()
+            assert time.monotonic() - started >= 0.5
+            message = str(refused.value)
+            assert message.splitlines()[1:] == [f"  held by pid {straggler.pid}: sleep 600"]
+            assert ": the killed job, which has ended, but 0.5 s later other processes still hold it" in message
+    finally:
+        kill(straggler)
+    run_dir.acquire_lock().release()
+
+
+# A rank as the entry's spawn starts it: holds the handed-down lock, starts a helper and forks a child.
+RANK = ("import os, subprocess, sys, time\nfrom pretrain.run_dir import RunDir\n"
+        "with RunDir(sys.argv[1]).handed_down_lock():\n"
+        "    helper = subprocess.Popen(['sleep', '600'])\n"
+        "    who = 'rank' if os.fork() else 'forked'\n"  # each says so once fork() has returned in it
+        "    os.write(1, f'{who} {helper.pid} {os.getpid()}\\n'.encode())\n"
+        "    time.sleep(600)\n")
+
+
+def test_a_rank_keeps_the_handed_down_lock_from_the_processes_it_starts(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    lock = run_dir.acquire_lock()
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(run_dir.path)], cwd=REPO, stdin=lock.fd,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, LOCK_ON_STDIN: "1"},
+                            start_new_session=True)
+    try:
+        said = {who: (int(helper), int(pid)) for who, helper, pid in (rank.stdout.readline().split() for _ in "12")}
+        (helper, _), (_, forked) = said["rank"], said["forked"]
+        lock.release()
+        assert [holder.pid for holder in run_dir.lock_holders()] == [rank.pid]
+        assert os.readlink(f"/proc/{helper}/fd/0") == "/dev/null"
+        kill(rank)
+        assert run_dir.lock_holder() is None, "the rank's helper and forked child, still alive, do not hold it"
+        assert all(Path(f"/proc/{pid}").exists() for pid in (helper, forked))
+    finally:
+        os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait()
+
+
 # ---------------------------------------------------------------------- the entry point
 
 
@@ -145,8 +234,10 @@ def test_the_same_two_process_command_started_twice_trains_once(tmp_path, capsys
         assert records(run_dir), "the first run did not start training"
         workers = workers_of(first)
         assert len(workers) == 2
-        for pid in workers:  # handed down by the launcher: held while any of them lives
-            assert os.readlink(f"/proc/{pid}/fd/0") == str(RunDir(run_dir).lock_file)
+        # Handed down by the launcher, held while any of them lives, on a descriptor their children do not get.
+        assert {holder.pid for holder in RunDir(run_dir).lock_holders()} == {first.pid, *workers}
+        for pid in workers:
+            assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
 
         # The second start, in this process: refused before it would start a worker.
         forbid_workers(monkeypatch)
@@ -154,7 +245,8 @@ def test_the_same_two_process_command_started_twice_trains_once(tmp_path, capsys
         assert pretrain_ora.main(arguments(config, run_dir, overrides, nproc=2)) == 2
         err = capsys.readouterr().err
         assert f"run dir {run_dir} is in use by pid {first.pid} on " in err
-        assert "pretrain_ora.py" in err.splitlines()[-1]  # the holder's command
+        assert "pretrain_ora.py" in err.splitlines()[-4]  # the holder's command, then the processes holding it
+        assert all(f"  held by pid {pid}: " in err for pid in (first.pid, *workers))
         assert time.time() - started < 120 and first.poll() is None
 
         os.kill(workers[0], signal.SIGTERM)  # every rank agrees to stop after the current step

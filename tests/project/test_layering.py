@@ -16,8 +16,9 @@ from pretrain_runs import REPO
 FLOORS = [
     ("ora_megatron", "data_tools"),  # the model; corpus tooling (the training side reads its manifest)
     # The repository's files, exit statuses, the parallel layout, the stability section and its step guard,
-    # which extras a command needs.
-    ("pretrain.paths", "pretrain.exit_status", "pretrain.parallel_layout", "pretrain.stability", "pretrain.extras"),
+    # which extras a command needs, who holds a lock.
+    ("pretrain.paths", "pretrain.exit_status", "pretrain.parallel_layout", "pretrain.stability", "pretrain.extras",
+     "pretrain.lock_holders"),
     ("pretrain.run_records",),  # what a run dir holds, typed
     ("pretrain.run_dir",),
     ("pretrain.supervision",),  # launching, watching and restarting a job's ranks

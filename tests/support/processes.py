@@ -24,7 +24,11 @@ def wait_for_step(run_dir, step: int, proc, timeout: float = 240.0) -> None:
 
 
 def workers_of(proc) -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == proc.pid]
+    return children_of(proc.pid)
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == pid]
 
 
 def kill_job(proc) -> None:

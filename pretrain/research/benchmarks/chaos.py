@@ -101,10 +101,24 @@ def plan_faults(seed: int, steps: int, kinds: list[str], nproc: int) -> list[Fau
     return faults
 
 
+def run_overrides(steps: int, save_interval: int, wandb_mode: str = "disabled") -> list[str]:
+    """The `tiny` preset on mock data, writing metrics.jsonl, checkpoints and wandb in `wandb_mode`, no more."""
+    return [f"train.steps={steps}", "data.mock=true", "data.manifest=null", f"logging.wandb_mode={wandb_mode}",
+            "logging.tensorboard=false", "logging.progress=false", f"checkpoint.save_interval={save_interval}"]
+
+
+def entry_command(run_dir: Path, nproc: int, overrides: list[str]) -> list[str]:
+    """The training entry on the `tiny` preset, as a user runs it."""
+    command = [sys.executable, "-m", "pretrain.pretrain_ora", "--config", str(preset_path("tiny")), "--run-dir",
+               str(run_dir), "--nproc-per-node", str(nproc)]
+    for item in overrides:
+        command += ["--set", item]
+    return command
+
+
 def common_overrides(args: argparse.Namespace) -> list[str]:
-    return [f"train.steps={args.steps}", "data.mock=true", "data.manifest=null", "logging.wandb_mode=disabled",
-            "logging.tensorboard=false", "logging.progress=false", f"checkpoint.save_interval={args.save_interval}",
-            "checkpoint.keep_last=3", f"supervision.max_restarts={args.max_restarts}",
+    return [*run_overrides(args.steps, args.save_interval), "checkpoint.keep_last=3",
+            f"supervision.max_restarts={args.max_restarts}",
             "supervision.restart_backoff_s=1", f"supervision.hang_timeout_s={args.hang_timeout}",
             f"supervision.collective_timeout_s={int(max(4 * args.hang_timeout, 120))}",
             "stability.spike_skip={enabled: true, window: 128, sigma: 6.0}",
@@ -134,10 +148,7 @@ def run_jobs(name: str, out: Path, overrides: list[str], nproc: int, steps: int,
     run_dir, timing = out / name, out / f"{name}.jobs.json"
     if timing.exists() and finished(RunDir(run_dir), steps):
         return Jobs(**json.loads(timing.read_text()))
-    command = [sys.executable, "-m", "pretrain.pretrain_ora", "--config", str(preset_path("tiny")), "--run-dir",
-               str(run_dir), "--nproc-per-node", str(nproc)]
-    for item in overrides:
-        command += ["--set", item]
+    command = entry_command(run_dir, nproc, overrides)
     jobs = Jobs()
     while len(jobs.statuses) < MAX_JOBS:
         started = time.time()
