@@ -39,8 +39,8 @@ from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
 from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_specs
 from pretrain.checkpoint.unpickling import check_checkpoint_files, safe_load
-from pretrain.config import RunConfig, TrainConfig, read_run_config
-from pretrain.run_dir import RunDir
+from pretrain.config.run_config import RunConfig, TrainConfig, read_run_config
+from pretrain.run_files.run_dir import RunDir
 from pretrain.runtime.freeze import trainability
 
 FP32_MASTER = "fp32_master"
@@ -178,7 +178,7 @@ QK_KEY = re.compile(r"layer(\d+)\.layer\.self_attention\.linear_qkv\.([qk])_weig
 
 def imported_qk(run_dir: RunDir) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, role) → the full Q or K of a run that imported them at its start (init_from.qk:
-    imported; pretrain/init_from.py), which are its reference instead of the draw; else {}."""
+    imported; pretrain/config/init_from.py), which are its reference instead of the draw; else {}."""
     record = run_dir.read_init_from()
     if not record or record.get("qk") != "imported":
         return {}

@@ -29,8 +29,8 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.config import RunConfig, read_run_config
-from pretrain.run_dir import RunDir, step_of_tag
+from pretrain.config.run_config import RunConfig, read_run_config
+from pretrain.run_files.run_dir import RunDir, step_of_tag
 
 
 class ResumeRefused(Exception):

@@ -50,7 +50,7 @@ from pretrain.checkpoint.consolidate import (
     tp1_parallel_state,
 )
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
-from pretrain.config import DataConfig, RunConfig, read_run_config
+from pretrain.config.run_config import DataConfig, RunConfig, read_run_config
 from pretrain.export.export_record import (
     EXPORT_RECORD,
     files_under,
@@ -58,7 +58,7 @@ from pretrain.export.export_record import (
     read_export_record,
     write_export_record,
 )
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 EXIT_ERROR, EXIT_VERIFY_FAILED = 2, 1
 TOLERANCE = {"max_abs_logit": 1e-4, "mean_kl": 1e-9}

@@ -60,10 +60,10 @@ from ora_megatron.attention import RandomQKVLinear, SynthesizerAttention
 from ora_megatron.stages import DecoderLayerStage, StagedGPT
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
-from pretrain.config import RunConfig
-from pretrain.extras import needs_extra
+from pretrain.config.run_config import RunConfig
+from pretrain.job.extras import needs_extra
 from pretrain.research.report.plots import _save
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 with needs_extra("research"):
     from matplotlib.figure import Figure

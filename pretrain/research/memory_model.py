@@ -44,8 +44,8 @@ from ora_megatron.cross_entropy import chunk_tokens
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, TrainConfig, for_world, validate_for_world
-from pretrain.parallel_layout import ParallelLayout
+from pretrain.config.run_config import RunConfig, TrainConfig, for_world, validate_for_world
+from pretrain.job.parallel_layout import ParallelLayout
 from pretrain.runtime.ds_config import deepspeed_config, fp32_grad_accumulation
 from pretrain.runtime.optimizer import param_groups
 

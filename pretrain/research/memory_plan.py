@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from ora_megatron.config_io import ConfigError
-from pretrain.config import load_run_config
+from pretrain.config.run_config import load_run_config
 from pretrain.paths import preset_names, preset_path
 from pretrain.research.memory_model import DTYPE_BYTES, GIB, RESERVE_FRACTION, layout_of, plan
 

@@ -24,7 +24,7 @@ from megatron.core.tokenizers import MegatronTokenizer
 from data_tools.manifest import blend_per_split_from_manifest, load_manifest, manifest_path
 from data_tools.shard_writer import sha256_file, shard_file_problems
 from ora_megatron.config_io import ConfigError
-from pretrain.config import BlendEntry, DataConfig, RunConfig
+from pretrain.config.run_config import BlendEntry, DataConfig, RunConfig
 
 SPLITS = ("train", "valid", "test")
 

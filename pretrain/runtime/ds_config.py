@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from pretrain.config import DeepSpeedConfig, RunConfig
+from pretrain.config.run_config import DeepSpeedConfig, RunConfig
 from pretrain.paths import DS_CONFIG_DIR
 
 

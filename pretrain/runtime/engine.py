@@ -19,8 +19,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ora_megatron.attention import settle_hadamard_paths_eagerly
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
-from pretrain.config import RunConfig
-from pretrain.parallel_layout import ParallelLayout
+from pretrain.config.run_config import RunConfig
+from pretrain.job.parallel_layout import ParallelLayout
 from pretrain.runtime.ds_config import deepspeed_config
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm, skip_nonfinite_steps_by_norm, undo_initial_zero_step
 from pretrain.runtime.loss import lm_loss

@@ -14,7 +14,7 @@ from deepspeed import DeepSpeedEngine
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ModelConfig
-from pretrain.config import RunConfig, TrainConfig
+from pretrain.config.run_config import RunConfig, TrainConfig
 from pretrain.runtime.ds_internals import (
     base_optimizer,
     full_optimizer_state,

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from pretrain.checkpoint.checkpointer import TrainState
-from pretrain.config import RunConfig
+from pretrain.config.run_config import RunConfig
 from pretrain.runtime.data import StepBatches, source_split
 from pretrain.runtime.engine import TrainEngine
 from pretrain.runtime.loss import batch_loss, data_parallel_mean

@@ -1,7 +1,7 @@
 """The training loop. Its components decide when they act: the metrics logger when to log, the
 evaluator when to validate and when early stopping stops, the checkpointer when to save, the step
 guard whether a spiking update is applied (stability.spike_skip), `stops` when a signal or the wall
-time ends the run; the hang watchdog watches the loop, and the run's faults (pretrain/faults.py, tests
+time ends the run; the hang watchdog watches the loop, and the run's faults (pretrain/job/faults.py, tests
 only) get one call before and one after each step.
 
 A run of skipped steps (non-finite, or spikes) of stability.max_consecutive_skips in a row stops the
@@ -31,10 +31,12 @@ from ora_megatron.config_io import to_dict
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.checkpoint.consolidate import imported_qk
-from pretrain.config import RunConfig
-from pretrain.faults import Faults
-from pretrain.run_dir import RunDir, step_of_tag
-from pretrain.run_records import Summary
+from pretrain.config.run_config import RunConfig
+from pretrain.config.stability import Spike, SpikeWindow, StepGuard, guard_steps
+from pretrain.job.faults import Faults
+from pretrain.launch.supervisor import attempt_number, job_restarts
+from pretrain.run_files.run_dir import RunDir, step_of_tag
+from pretrain.run_files.run_records import Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer, document_keys
 from pretrain.runtime.ds_internals import base_optimizer, step_grad_norm
@@ -42,8 +44,6 @@ from pretrain.runtime.engine import MegatronMPU, TrainEngine, build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
-from pretrain.stability import Spike, SpikeWindow, StepGuard, guard_steps
-from pretrain.supervision import attempt_number, job_restarts
 from pretrain.training.evaluator import Evaluator
 from pretrain.training.stops import Preemption, WallClock
 from pretrain.training.watchdog import Watchdog

@@ -2,11 +2,11 @@
 
     python -m pretrain.training.worker --run-dir DIR    (how the training entry's torchrun spawn starts each rank)
 
-A worker reads the config as its start resolved it (pretrain/start.py: the run dir's config.yaml) and
+A worker reads the config as its start resolved it (pretrain/launch/start.py: the run dir's config.yaml) and
 nothing else of the config. Under a launcher other than the entry's own spawn (DeepSpeed's, torchrun,
 srun, mpirun) every rank runs the training entry, which hands it to `launched_worker`: rank 0 resolves
 the start before the ranks meet, so that the others read config.yaml only after it was written. Exit
-statuses: pretrain/exit_status.py.
+statuses: pretrain/job/exit_status.py.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch.distributed as dist
 from ora_megatron.config_io import ConfigError
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.checkpoint.checkpointer import CheckpointSaveFailed
-from pretrain.config import RunConfig, read_run_config, validate_for_world
-from pretrain.environment import device_environment, git_revision, megatron_core_version
-from pretrain.exit_status import EXIT_CONFIG_ERROR, EXIT_HUNG, EXIT_TRAINING_STOPPED, EXIT_WALL_TIME
-from pretrain.run_dir import RunDir
-from pretrain.run_records import Summary
+from pretrain.config.run_config import RunConfig, read_run_config, validate_for_world
+from pretrain.job.environment import device_environment, git_revision, megatron_core_version
+from pretrain.job.exit_status import EXIT_CONFIG_ERROR, EXIT_HUNG, EXIT_TRAINING_STOPPED, EXIT_WALL_TIME
+from pretrain.launch.start import StartRefused, resolve
+from pretrain.launch.supervisor import die_with_launcher
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import Summary
 from pretrain.runtime.ds_config import deepspeed_config
-from pretrain.start import StartRefused, resolve
-from pretrain.supervision import die_with_launcher
 from pretrain.training.trainer import Trainer, TrainingStopped
 from pretrain.training.watchdog import Watchdog
 

@@ -23,8 +23,8 @@ from pretrain.checkpoint.consolidate import (
     consolidated_state_dict,
     pipeline_layer_file_stage,
 )
-from pretrain.config import FreezeStage, read_run_config
-from pretrain.run_dir import RunDir
+from pretrain.config.run_config import FreezeStage, read_run_config
+from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
 

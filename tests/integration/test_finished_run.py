@@ -13,9 +13,10 @@ import pytest
 from distributed import free_port
 from pretrain_runs import REPO, command, env, keep_environment, write_config
 
-from pretrain import pretrain_ora, start
-from pretrain.config import load_run_config
-from pretrain.run_dir import RunDir
+from pretrain import pretrain_ora
+from pretrain.config.run_config import load_run_config
+from pretrain.launch import start
+from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed  # the session's reference run trains once
 

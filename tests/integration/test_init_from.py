@@ -17,7 +17,7 @@ from ora_megatron.parallel import destroy_distributed
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.consolidate import consolidated_state_dict, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.import_plan import plan_import
-from pretrain.config import (
+from pretrain.config.run_config import (
     DeepSpeedConfig,
     ParallelConfig,
     RunConfig,
@@ -27,7 +27,7 @@ from pretrain.config import (
 )
 from pretrain.export.convert_to_hf import export
 from pretrain.paths import REPO
-from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed
 

@@ -26,7 +26,7 @@ from pretrain_runs import (
 from processes import kill_job, trainings_preempted_at, wait_for_step, workers_of
 
 from pretrain import pretrain_ora
-from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""One job at a time per run dir (pretrain/run_dir.py's lock): a second job is refused with status 2
+"""One job at a time per run dir (pretrain/run_files/run_dir.py's lock): a second job is refused with status 2
 naming the first, a killed holder never blocks, the lock is handed down to the processes a job
 starts (torchrun's workers, a sweep's run), and the sweep's dry run decides as a real sweep does."""
 
@@ -22,11 +22,11 @@ from pretrain.research.sweep.__main__ import main as sweep_main
 from pretrain.research.sweep.runner import DoneSincePlanned, start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
 from pretrain.research.sweep.state import Task, run_state, started_record
-from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, config_hash
-from pretrain.run_records import Summary
+from pretrain.run_files.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, config_hash
+from pretrain.run_files.run_records import Summary
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
-HOLDER = ("import sys, time\nfrom pretrain.run_dir import RunDir\n"
+HOLDER = ("import sys, time\nfrom pretrain.run_files.run_dir import RunDir\n"
           "lock = RunDir(sys.argv[1]).acquire_lock()\nprint('held', flush=True)\ntime.sleep(600)\n")
 
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain import pretrain_ora, start
+from pretrain import pretrain_ora
+from pretrain.launch import start
 from pretrain.paths import ENTRY_MODULE, REPO
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 TINY_RUN = """
 model:

@@ -18,7 +18,7 @@ from one_process import tiny_run
 from data_tools import probe_tasks
 from data_tools.manifest import blend_from_manifest
 from data_tools.probe_tasks import BOS, EOD, PAD, QUERY, SEP, ProbeOptions, generate, task_for
-from pretrain.config import DataConfig, TrainConfig
+from pretrain.config.run_config import DataConfig, TrainConfig
 from pretrain.research import probes
 from pretrain.research.probes import AnswerCounts
 from pretrain.runtime import data

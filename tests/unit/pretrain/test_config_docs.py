@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ora_megatron.config_io import ConfigError, load_yaml, to_dict
-from pretrain.config import RunConfig, load_run_config
-from pretrain.config_docs import DOC_PATH, REGENERATE, main, render, sections, undocumented
+from pretrain.config.docs import DOC_PATH, REGENERATE, main, render, sections, undocumented
+from pretrain.config.run_config import RunConfig, load_run_config
 from pretrain.paths import PRESETS
 
 CONFIGS = PRESETS

@@ -1,4 +1,4 @@
-"""A job that needs no one watching (pretrain/supervision.py): which failures are restarted, the records
+"""A job that needs no one watching (pretrain/launch/supervisor.py): which failures are restarted, the records
 each failure leaves, stops on request, hangs reported by a watchdog; and the watchdog itself
 (pretrain/training/watchdog.py). The supervisor runs over stand-in attempts in a process of its own
 (tests/support/supervised.py); real trainings are in tests/integration/test_unattended.py."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from pretrain_runs import REPO
 
-from pretrain.run_dir import RunDir
-from pretrain.supervision import RestartPolicy, describe_status
+from pretrain.launch.supervisor import RestartPolicy, describe_status
+from pretrain.run_files.run_dir import RunDir
 from pretrain.training.watchdog import Watchdog
 
 FINAL = {2: "refused", 3: "the run stopped itself"}

@@ -14,7 +14,7 @@ from distributed import run_on_ranks
 
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from ora_megatron.stages import build_staged_gpt
-from pretrain.config import load_run_config
+from pretrain.config.run_config import load_run_config
 from pretrain.paths import REPO
 from pretrain.research import memory_model, memory_plan
 

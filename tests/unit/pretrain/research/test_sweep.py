@@ -19,13 +19,13 @@ import yaml
 from pretrain_runs import REPO, env, write_config
 from sweep_runs import write_run
 
-from pretrain.config import read_run_config
+from pretrain.config.run_config import read_run_config
 from pretrain.paths import ENTRY_MODULE
 from pretrain.research.sweep import slurm
 from pretrain.research.sweep import spec as sweep_spec
 from pretrain.research.sweep.__main__ import main
 from pretrain.research.sweep.spec import DESIGN_SEEDS, LOG_NAME, Run, expand, load_spec
-from pretrain.run_dir import RunDir, config_hash
+from pretrain.run_files.run_dir import RunDir, config_hash
 
 EXPERIMENTS = REPO / "pretrain" / "experiments"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
@@ -408,7 +408,8 @@ def test_evaluations_of_a_finished_run_are_recorded_and_rerun_without_training(t
 
 
 # Stands in for a training (`... RUN_DIR EXIT_CODE`): exit 0 with a complete summary, or fail.
-FAKE_TRAINING = ("import sys; from pretrain.run_dir import RunDir; from pretrain.run_records import Summary; "
+FAKE_TRAINING = ("import sys; from pretrain.run_files.run_dir import RunDir; "
+                 "from pretrain.run_files.run_records import Summary; "
                  "code = int(sys.argv[2]); "
                  "code or RunDir(sys.argv[1]).write_summary(Summary(final_train_loss=3.0, final_valid_loss=3.0, "
                  "final_test_loss=None, wall_time_s=1.0, steps=4, stopped_early=False, preempted=False, "

@@ -12,7 +12,7 @@ from model_fixtures import tokens
 from one_process import tiny_run
 
 from ora_megatron.config_io import ConfigError, from_dict, to_dict
-from pretrain.config import RunConfig, TrainConfig
+from pretrain.config.run_config import RunConfig, TrainConfig
 from pretrain.runtime.engine import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank

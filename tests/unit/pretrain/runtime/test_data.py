@@ -17,7 +17,7 @@ from one_process import tiny_run
 
 from data_tools.shard_writer import sha256_file
 from ora_megatron.config_io import ConfigError
-from pretrain.config import BlendEntry, DataConfig, TrainConfig
+from pretrain.config.run_config import BlendEntry, DataConfig, TrainConfig
 from pretrain.runtime import data
 from pretrain.runtime.data import BatchOrder, StepBatches
 

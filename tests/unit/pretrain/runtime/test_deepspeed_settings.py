@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.config import DeepSpeedConfig, RunConfig
+from pretrain.config.run_config import DeepSpeedConfig, RunConfig
 from pretrain.runtime.ds_config import deepspeed_config
 
 

@@ -8,7 +8,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import AttentionConfig, ModelConfig
-from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
+from pretrain.config.run_config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
 from pretrain.runtime.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.freeze import apply_freeze_stage

@@ -14,9 +14,9 @@ from one_process import tiny_run
 
 from data_tools.manifest import load_manifest
 from pretrain.checkpoint.checkpointer import TrainState
-from pretrain.config import BlendEntry, DataConfig, EarlyStopping, TrainConfig
-from pretrain.run_dir import RunDir
-from pretrain.run_records import EvalRecord
+from pretrain.config.run_config import BlendEntry, DataConfig, EarlyStopping, TrainConfig
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import EvalRecord
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import batch_loss

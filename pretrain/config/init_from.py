@@ -5,7 +5,7 @@ The source is a Hugging Face model directory (`config.json` with model_type gpt2
 dir of this project, or one checkpoint of one (`RUN/checkpoints/<tag>`; a run dir means its latest).
 Only weights come in: the optimizer, the LR schedule and the step start afresh.
 
-At a fresh start, in the process that resolves the run (pretrain/start.py), before any worker,
+At a fresh start, in the process that resolves the run (pretrain/launch/start.py), before any worker,
 pretrain/checkpoint/import_plan.py checks the source against the run's model, converts it, takes the
 source's numerics over into the run's model config and writes RUN/init_from/weights.safetensors with
 the record RUN/init_from.json. The workers load those weights right after the engine is built when
@@ -22,7 +22,7 @@ from typing import Literal, Optional
 
 from ora_megatron.config_io import check
 from ora_megatron.model_config import ModelConfig
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 
 @dataclass

@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ora_megatron.config_io import check
-from pretrain.exit_status import FINAL, STATUS_NAMES
-from pretrain.run_dir import RunDir, step_of_tag
-from pretrain.run_records import RestartRecord
+from pretrain.job.exit_status import FINAL, STATUS_NAMES
+from pretrain.run_files.run_dir import RunDir, step_of_tag
+from pretrain.run_files.run_records import RestartRecord
 
 # Set for the workers of every attempt.
 ATTEMPT_VARIABLE = "ORA_ATTEMPT"  # 0 for the job's first launch, 1 after the first restart, ...

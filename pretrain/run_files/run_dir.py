@@ -48,7 +48,15 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ora_megatron.config_io import parse_yaml, to_dict
-from pretrain.run_records import EvalRecord, EventRecord, ExperimentRecord, Record, RestartRecord, Summary, TrainRecord
+from pretrain.run_files.run_records import (
+    EvalRecord,
+    EventRecord,
+    ExperimentRecord,
+    Record,
+    RestartRecord,
+    Summary,
+    TrainRecord,
+)
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
@@ -189,7 +197,7 @@ class RunDir:
 
     @property
     def init_from_weights(self) -> Path:
-        """The imported weights as the run's model holds them (pretrain/init_from.py)."""
+        """The imported weights as the run's model holds them (pretrain/config/init_from.py)."""
         return self.init_from_dir / "weights.safetensors"
 
     def read_init_from(self) -> Optional[dict]:

@@ -1,6 +1,6 @@
 """The records a run dir holds, as typed dataclasses: metrics.jsonl's lines (train steps, evaluations,
 events), restarts.jsonl's, summary.json and a sweep's experiment.yaml. Where each lives and how it is
-written and read is pretrain/run_dir.py's alone.
+written and read is pretrain/run_files/run_dir.py's alone.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class EventRecord:
 
 @dataclass
 class RestartRecord:
-    """One failure of a supervised job and what its supervisor (pretrain/supervision.py) did about it:
+    """One failure of a supervised job and what its supervisor (pretrain/launch/supervisor.py) did about it:
     one line of restarts.jsonl, written by the process that launched the ranks, never by the dead ones."""
 
     time: str

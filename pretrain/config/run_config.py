@@ -15,12 +15,12 @@ from typing import Literal, Optional, Union
 
 from ora_megatron.config_io import ConfigError, apply_overrides, check, from_dict, load_yaml
 from ora_megatron.model_config import ModelConfig, ParallelConfig, validate_model_parallel
-from pretrain.faults import FaultInjection, check_faults_fit
-from pretrain.init_from import InitFromConfig
-from pretrain.parallel_layout import ParallelLayout
-from pretrain.run_dir import RunDir
-from pretrain.stability import StabilityConfig
-from pretrain.supervision import SupervisionConfig
+from pretrain.config.init_from import InitFromConfig
+from pretrain.config.stability import StabilityConfig
+from pretrain.job.faults import FaultInjection, check_faults_fit
+from pretrain.job.parallel_layout import ParallelLayout
+from pretrain.launch.supervisor import SupervisionConfig
+from pretrain.run_files.run_dir import RunDir
 
 LayerSet = Union[Literal["all", "none", "first_half", "second_half"], list[int]]
 

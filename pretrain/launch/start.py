@@ -25,13 +25,20 @@ import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.resume_check import ResumePlan, ResumeRefused, check_resume
-from pretrain.config import RunConfig, TrainConfig, for_world, load_run_config, read_run_config, validate_for_world
-from pretrain.environment import keep_offline
-from pretrain.exit_status import EXIT_CONFIG_ERROR
-from pretrain.init_from import ImportRefused, forget_import, recorded_model
+from pretrain.config.init_from import ImportRefused, forget_import, recorded_model
+from pretrain.config.run_config import (
+    RunConfig,
+    TrainConfig,
+    for_world,
+    load_run_config,
+    read_run_config,
+    validate_for_world,
+)
+from pretrain.job.environment import keep_offline
+from pretrain.job.exit_status import EXIT_CONFIG_ERROR
+from pretrain.launch.supervisor import StopJob
 from pretrain.paths import REPO
-from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
-from pretrain.supervision import StopJob
+from pretrain.run_files.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
 
 if TYPE_CHECKING:
     from pretrain.checkpoint.import_plan import ImportPlan
