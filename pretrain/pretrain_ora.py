@@ -32,7 +32,7 @@ from ora_megatron.config_io import ConfigError
 from pretrain.job.exit_status import EXIT_CONFIG_ERROR
 from pretrain.launch.launcher import adopt_scheduler_ranks
 from pretrain.launch.local import spawn_workers
-from pretrain.launch.start import StartRefused, parse_args, resolve
+from pretrain.launch.start import StartRefused, launched_worker, parse_args, resolve
 from pretrain.run_files.run_dir import RunDir
 
 
@@ -45,8 +45,6 @@ def main(argv=None) -> int:
         return EXIT_CONFIG_ERROR
     under_launcher = "WORLD_SIZE" in os.environ
     if under_launcher and not args.check_only:
-        from pretrain.training.worker import launched_worker  # the training stack: only where a rank trains here
-
         return launched_worker(args)
     try:
         start = resolve(args, under_launcher)

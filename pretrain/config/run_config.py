@@ -19,7 +19,7 @@ from pretrain.config.init_from import InitFromConfig
 from pretrain.config.stability import StabilityConfig
 from pretrain.job.faults import FaultInjection, check_faults_fit
 from pretrain.job.parallel_layout import ParallelLayout
-from pretrain.launch.supervisor import SupervisionConfig
+from pretrain.job.supervision import SupervisionConfig
 from pretrain.run_files.run_dir import RunDir
 
 LayerSet = Union[Literal["all", "none", "first_half", "second_half"], list[int]]

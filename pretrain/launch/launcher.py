@@ -50,9 +50,10 @@ from typing import Mapping, Optional
 
 from ora_megatron.config_io import ConfigError
 from pretrain.job.environment import device_environment
+from pretrain.job.supervision import ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
-from pretrain.launch.start import Start, check_start, parse_args
-from pretrain.launch.supervisor import ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE, Attempt, supervise
+from pretrain.launch.start import Start, check_start, launched_worker, parse_args
+from pretrain.launch.supervisor import Attempt, supervise
 from pretrain.paths import ENTRY_MODULE, REPO, preset_names, preset_path
 from pretrain.run_files.run_dir import RunDir
 
@@ -313,8 +314,6 @@ def split_config_argument(args: list[str], env: Environment) -> tuple[str, list[
 
 def run_worker(args: list[str], env: Environment) -> int:
     """As DeepSpeed's worker (deepspeed --no_python ... launch/pretrain_ora.sh ...): train."""
-    from pretrain.training.worker import launched_worker  # the training stack: only in a worker
-
     if args and args[0].startswith("--local_rank="):
         args = args[1:]
     config, rest = split_config_argument(args, env)

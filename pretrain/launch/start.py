@@ -36,6 +36,7 @@ from pretrain.config.run_config import (
 )
 from pretrain.job.environment import keep_offline
 from pretrain.job.exit_status import EXIT_CONFIG_ERROR
+from pretrain.job.supervision import die_with_launcher
 from pretrain.launch.supervisor import StopJob
 from pretrain.paths import REPO
 from pretrain.run_files.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
@@ -253,3 +254,17 @@ def check_start(argv: list[str], world_size: int) -> Start:
     start = resolve(parse_args([*argv, "--check-only", "--world-size", str(world_size)]), under_launcher=False)
     print(start.report(), file=sys.stderr)
     return start
+
+
+def launched_worker(args: argparse.Namespace) -> int:
+    """A rank that an external launcher started (the training entry's arguments): rank 0 resolves the
+    start before the ranks meet, then every rank trains."""
+    from pretrain.training.worker import train_worker  # the training stack: only where a rank trains
+
+    die_with_launcher()
+    try:
+        start = resolve(args, under_launcher=True)
+    except (ConfigError, StartRefused) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return train_worker(RunDir(start.run_dir), start.cfg, start.finished if start.resolves else None)

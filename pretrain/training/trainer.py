@@ -34,7 +34,7 @@ from pretrain.checkpoint.consolidate import imported_qk
 from pretrain.config.run_config import RunConfig
 from pretrain.config.stability import Spike, SpikeWindow, StepGuard, guard_steps
 from pretrain.job.faults import Faults
-from pretrain.launch.supervisor import attempt_number, job_restarts
+from pretrain.job.supervision import attempt_number, job_restarts
 from pretrain.run_files.run_dir import RunDir, step_of_tag
 from pretrain.run_files.run_records import Summary
 from pretrain.runtime import accounting

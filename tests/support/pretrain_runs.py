@@ -96,8 +96,8 @@ def forbid_workers(monkeypatch) -> None:
 
     keep_environment(monkeypatch)
     monkeypatch.setattr(pretrain_ora, "spawn_workers", started)
-    for name in ("train_worker", "launched_worker"):
-        monkeypatch.setattr(worker, name, started)
+    monkeypatch.setattr(pretrain_ora, "launched_worker", started)
+    monkeypatch.setattr(worker, "train_worker", started)
 
 
 def env() -> dict:

@@ -42,6 +42,16 @@ def test_a_crash_loop_stops_after_max_restarts_failures_in_a_row_without_progres
     assert RestartPolicy(0, 1.0, FINAL).decide(1, progressed=True) == "supervision.max_restarts is 0"
 
 
+@pytest.mark.slow
+def test_a_worker_never_loads_the_supervisor():
+    """Every rank imports the worker: what it knows of its job comes from pretrain/job/, and the supervisor
+    (its process-tree scans, its restarts) stays the launching process's."""
+    probe = ("import sys, pretrain.training.worker\n"
+             "print(sorted(m for m in sys.modules if m.startswith('pretrain.launch')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_statuses_are_described_by_name():
     assert describe_status(-signal.SIGKILL, {}) == "SIGKILL"
     assert describe_status(4, {4: "hung"}) == "exit 4 (hung)"
