@@ -29,7 +29,7 @@ from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.orthogonal import matches_regenerated
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.unpickling import restrict_checkpoint_loading, safe_load
-from pretrain.config.run_config import CheckpointConfig
+from pretrain.config.loop_sections import CheckpointConfig
 from pretrain.run_files.run_dir import RunDir, checkpoint_tag
 from pretrain.runtime.engine import TrainEngine
 

@@ -38,7 +38,8 @@ from ora_megatron.families import family_of, hf_mapping_of
 from ora_megatron.families.hf import QKV, HFConfigRefused, join_qkv, split_qkv
 from ora_megatron.model_config import ModelConfig
 from pretrain.config.init_from import ImportRefused
-from pretrain.config.run_config import DataConfig, RunConfig, read_run_config
+from pretrain.config.run_config import RunConfig, read_run_config
+from pretrain.config.runtime_sections import DataConfig
 from pretrain.run_files.run_dir import RunDir, file_sha256
 
 VOCAB_KEYS = ("embedding.embedding.word_embeddings.weight", "output.output_layer.weight")

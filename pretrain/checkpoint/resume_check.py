@@ -66,7 +66,7 @@ POLICIES: dict[str, Policy] = {
     "train.steps": Policy(True, "the LR schedule keeps the checkpoint's decay horizon"),
     "train.global_batch_size": Policy(False, "step s reads samples [s·G, (s+1)·G), so another G would skip or "
                                              "repeat data (and change what a step means for the LR schedule)"),
-    "train.freeze_schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
+    "freeze.schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
                                            "optimizer state holds that stage's trainable parameters"),
     "optimizer": Policy(False, "the LR schedule and AdamW hyperparameters are restored from the checkpoint, "
                                "so the new value would be silently ignored"),
@@ -97,7 +97,7 @@ def policy_of(key: str) -> Policy:
 
 
 def flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Dotted leaf keys of a nested mapping; lists are leaves (`train.freeze_schedule`)."""
+    """Dotted leaf keys of a nested mapping; lists are leaves (`freeze.schedule`)."""
     for key, value in tree.items():
         dotted = f"{prefix}.{key}" if prefix else key
         if isinstance(value, dict) and value:

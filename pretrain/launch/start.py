@@ -26,14 +26,7 @@ import yaml
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.resume_check import ResumePlan, ResumeRefused, check_resume
 from pretrain.config.init_from import ImportRefused, forget_import, recorded_model
-from pretrain.config.run_config import (
-    RunConfig,
-    TrainConfig,
-    for_world,
-    load_run_config,
-    read_run_config,
-    validate_for_world,
-)
+from pretrain.config.run_config import RunConfig, for_world, load_run_config, read_run_config, validate_for_world
 from pretrain.job.environment import keep_offline
 from pretrain.job.exit_status import EXIT_CONFIG_ERROR
 from pretrain.job.supervision import die_with_launcher
@@ -184,7 +177,7 @@ def _resume_plan(start: Start, run_dir: RunDir) -> tuple[ResumePlan, Optional[To
             print(f"init_from.path is read at a run's first start only: resuming from {plan.tag}, nothing is "
                   "imported", file=sys.stderr)
         start.cfg = resumed_cfg
-    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, start.cfg.train)
+    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, start.cfg)
     return plan, topology_change
 
 
@@ -215,7 +208,7 @@ def _prepare_import(start: Start, run_dir: RunDir, check_only: bool, plan: Optio
         write_import(run_dir, plan)
 
 
-def nothing_to_train(run_dir: RunDir, tag: Optional[str], train: TrainConfig) -> Optional[str]:
+def nothing_to_train(run_dir: RunDir, tag: Optional[str], cfg: RunConfig) -> Optional[str]:
     """The message for a run that resuming from checkpoint `tag` would not train (it has a summary
     and `tag` is its last step: the command of a finished run, again), else None. Such a run's
     files stay as they are: no run files, resume log line or summary is written. A run that early
@@ -223,13 +216,13 @@ def nothing_to_train(run_dir: RunDir, tag: Optional[str], train: TrainConfig) ->
     if tag is None or not run_dir.summary.exists():
         return None
     step = step_of_tag(tag)
-    if step >= train.steps:
+    if step >= cfg.train.steps:
         return f"run dir {run_dir.path}: finished at step {step}, nothing to train"
     summary = run_dir.read_summary()
     if (summary.stopped_early and summary.steps == step
-            and read_run_config(run_dir).train.early_stopping == train.early_stopping):
-        return (f"run dir {run_dir.path}: stopped early at step {step} (train.early_stopping), nothing to train; "
-                "change train.early_stopping to train on")
+            and read_run_config(run_dir).eval.early_stopping == cfg.eval.early_stopping):
+        return (f"run dir {run_dir.path}: stopped early at step {step} (eval.early_stopping), nothing to train; "
+                "change eval.early_stopping to train on")
     return None
 
 
@@ -240,7 +233,7 @@ def restart_from(start: Start) -> Optional[str]:
         plan = check_resume(run_dir, start.cfg, start.world_size)
     except ResumeRefused as e:
         raise StopJob(EXIT_CONFIG_ERROR, f"cannot restart: {e}") from e
-    if nothing_to_train(run_dir, plan.tag, start.cfg.train) is not None:
+    if nothing_to_train(run_dir, plan.tag, start.cfg) is not None:
         raise StopJob(0, "the run has ended")
     for line in plan.notices():
         print(line, file=sys.stderr)

@@ -80,7 +80,7 @@ class EvalRecord:
     loss: float  # of the blend
     ppl: float
     # Each data source's loss on its own part of the split (a manifest of several sources,
-    # train.eval_per_source); None otherwise.
+    # eval.per_source); None otherwise.
     sources: Optional[dict[str, float]] = None
 
 

@@ -24,7 +24,8 @@ from megatron.core.tokenizers import MegatronTokenizer
 from data_tools.manifest import blend_per_split_from_manifest, load_manifest, manifest_path
 from data_tools.shard_writer import sha256_file, shard_file_problems
 from ora_megatron.config_io import ConfigError
-from pretrain.config.run_config import BlendEntry, DataConfig, RunConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import BlendEntry, DataConfig
 
 SPLITS = ("train", "valid", "test")
 
@@ -182,12 +183,12 @@ def _check_manifest_shards(data: DataConfig, manifest: dict) -> None:
 
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
     """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches), and
-    with train.eval_per_source each source's valid and test datasets, as `source_split(split, source)`."""
-    sizes = [cfg.train.train_samples, cfg.train.eval_samples, cfg.train.eval_samples]
+    with eval.per_source each source's valid and test datasets, as `source_split(split, source)`."""
+    sizes = [cfg.train.train_samples, cfg.eval_samples, cfg.eval_samples]
     config = dataset_config(cfg.data, cfg.model.seq_length, tokenizer, cache_dir)
     cls = MockGPTDataset if cfg.data.mock else GPTDataset
     datasets = dict(zip(SPLITS, BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()))
-    for source, per_split in eval_sources(cfg.data, cfg.train.eval_per_source, config).items():
+    for source, per_split in eval_sources(cfg.data, cfg.eval.per_source, config).items():
         # Built as a run whose valid/test blends were this source's entries alone would build them.
         single = dataclasses.replace(config, blend=None, split=None, blend_per_split=[None, *per_split])
         valid, test = BlendedMegatronDatasetBuilder(cls, [None, *sizes[1:]], lambda: True, single).build()[1:]
@@ -203,7 +204,7 @@ def source_split(split: str, source: str) -> str:
 def eval_sources(data: DataConfig, per_source: bool, config: GPTDatasetConfig) -> dict[str, list]:
     """Source → [valid blend, test blend] of its entries in the run's blends (prefixes and weights as the
     manifest gives them; None where the source has none), for a manifest of two or more sources in its
-    valid/test splits and train.eval_per_source (`per_source`). A manifest built without --split (its
+    valid/test splits and eval.per_source (`per_source`). A manifest built without --split (its
     shards cut by data.split) evaluates the blend only."""
     if not (per_source and data.manifest):
         return {}

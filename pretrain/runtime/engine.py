@@ -156,11 +156,11 @@ def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     specs = stage_specs(cfg.model, cfg.parallel)
     if layout.pipeline > 1:
-        model = _pipeline_module(specs, layout, cfg.train.activation_checkpointing)
+        model = _pipeline_module(specs, layout, cfg.speed.activation_checkpointing)
     else:
         model = StagedGPT(specs)
-        model.activation_checkpointing = cfg.train.activation_checkpointing
-    if cfg.train.compile:
+        model.activation_checkpointing = cfg.speed.activation_checkpointing
+    if cfg.speed.compile:
         compile_model(model)
     return model
 

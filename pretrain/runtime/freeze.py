@@ -14,7 +14,8 @@ from deepspeed import DeepSpeedEngine
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ModelConfig
-from pretrain.config.run_config import RunConfig, TrainConfig
+from pretrain.config.freeze import FreezeConfig
+from pretrain.config.run_config import RunConfig
 from pretrain.runtime.ds_internals import (
     base_optimizer,
     full_optimizer_state,
@@ -34,13 +35,13 @@ def _layers(layer_set, num_layers: int) -> set[int]:
             "second_half": set(range(half + 1, num_layers + 1))}[layer_set]
 
 
-def trainability(model: ModelConfig, train: TrainConfig, index: int) -> dict[tuple[int, str], bool]:
+def trainability(model: ModelConfig, freeze: FreezeConfig, index: int) -> dict[tuple[int, str], bool]:
     """(layer, "q"|"k") → requires_grad for stage `index` (-1: the attention config's flags)."""
     att, n = model.attention, model.num_layers
     if index < 0:
         return {(layer, role): flag for layer in range(1, n + 1)
                 for role, flag in (("q", att.train_q), ("k", att.train_k))}
-    stage = train.freeze_stages[index]
+    stage = freeze.stages[index]
     frozen = {"q": _layers(stage.frozen_q, n), "k": _layers(stage.frozen_k, n)}
     return {(layer, role): layer not in frozen[role] for layer in range(1, n + 1) for role in ("q", "k")}
 
@@ -99,7 +100,7 @@ def _restore(ds_engine: DeepSpeedEngine, per_param: dict, steps: dict) -> None:
 def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, grad_accum: int):
     """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed."""
     module = train_engine.module
-    changes = _trainability_changes(module, trainability(cfg.model, cfg.train, index))
+    changes = _trainability_changes(module, trainability(cfg.model, cfg.freeze, index))
     if not changes:
         return train_engine
     per_param, steps = _capture(train_engine.ds_engine)

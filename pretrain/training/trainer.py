@@ -96,7 +96,7 @@ class Trainer:
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (TrainEngine.reports_no_grad_norm)
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
-        self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
+        self._enter_freeze_stage(cfg.freeze.stage_at(0, cfg.train.steps))
         rank, layout = dist.get_rank(), self.train_engine.layout
         order = BatchOrder(cfg.train.micro_batch_size, grad_accum, layout.data_rank(rank), layout.data)
         self.batches = StepBatches(datasets, order, prefetch=torch.cuda.is_available(),
@@ -246,7 +246,7 @@ class Trainer:
     def _step(self, timer: IterationTimer, clock: WallClock) -> StepOutcome:
         """Train one step and count it in the train state."""
         with self._aside(timer):  # an engine rebuild at a freeze-schedule boundary is no step's time
-            self._enter_freeze_stage(self.cfg.train.freeze_stage_at(self.state.step))
+            self._enter_freeze_stage(self.cfg.freeze.stage_at(self.state.step, self.cfg.train.steps))
         ds_engine = self.train_engine.ds_engine
         self.train_engine.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
         skipped_before = ds_engine.skipped_steps

@@ -61,7 +61,7 @@ def train_worker(run_dir: RunDir, known: RunConfig, finished: Optional[str] = No
         return 0
     cfg = read_run_config(run_dir)
     if torch.cuda.is_available():
-        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
+        torch.set_float32_matmul_precision("high" if cfg.speed.tf32 else "highest")
     grad_accum = validate_for_world(cfg, dist.get_world_size())
     if dist.get_rank() == 0:
         run_dir.write_run_files(deepspeed_config(cfg, grad_accum), versions())

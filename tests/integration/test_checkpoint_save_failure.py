@@ -15,7 +15,7 @@ from pretrain_runs import REPO, env, losses_by_step, run, write_config
 
 from pretrain.checkpoint import checkpointer as checkpoint
 from pretrain.checkpoint.checkpointer import Checkpointer, CheckpointSaveFailed, TrainState
-from pretrain.config.run_config import CheckpointConfig
+from pretrain.config.loop_sections import CheckpointConfig
 from pretrain.run_files.run_dir import RunDir
 
 # What torch's zip writer raises when the disk fills up under it (torch.save onto a full tmpfs).

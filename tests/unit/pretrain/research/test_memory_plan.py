@@ -272,7 +272,7 @@ def test_activation_peak_on_gpu(one_process, checkpointing):
     gradients, against the plan's activations, the loss computed as training does (at TP 1 the fused
     output projection and loss). Tolerance 15%: backward temporaries are not modelled."""
     cfg = load_run_config(str(memory_plan.config_path("small")), ["train.micro_batch_size=8",
-                                                                  f"train.activation_checkpointing={checkpointing}"])
+                                                                  f"speed.activation_checkpointing={checkpointing}"])
     layout = memory_model.layout_of(cfg, world_size=16)
     model = build_staged_gpt(cfg.model, cfg.parallel).to("cuda", torch.bfloat16).train()
     model.activation_checkpointing = checkpointing

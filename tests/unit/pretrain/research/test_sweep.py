@@ -83,14 +83,14 @@ def test_expansion_is_seeds_times_arms_with_every_override_applied(tmp_path):
             "b": {**arm("ora"), "scales": {"cpu": {"model.hidden_size": 32}}},
             "c": arm("ora", **{"train.steps": 5})}
     spec = load_spec(write_spec(tmp_path, arms, seeds=(7, 8)))
-    runs = expand(spec, "cpu", None, ["train.eval_iters=3"], tmp_path / "out")
+    runs = expand(spec, "cpu", None, ["eval.iters=3"], tmp_path / "out")
 
     assert [(r.arm, r.seed) for r in runs] == [("a", 7), ("b", 7), ("c", 7), ("a", 8), ("b", 8), ("c", 8)]
     assert [r.run_dir.path for r in runs[:2]] == [tmp_path / "out" / "a" / "seed7", tmp_path / "out" / "b" / "seed7"]
     assert runs[1].experiment_id == "spec/b/seed7"
     for run in runs:
         assert (run.cfg.model.seed, run.cfg.data.seed) == (run.seed, run.seed)
-        assert run.cfg.train.eval_iters == 3  # --set reaches every run
+        assert run.cfg.eval.iters == 3  # --set reaches every run
         assert run.cfg.checkpoint.save_interval == 2  # the scale's set
     assert [r.cfg.model.attention.type for r in runs[:3]] == ["vanilla", "ora", "ora"]
     assert [r.cfg.model.hidden_size for r in runs[:3]] == [64, 32, 64]  # b's own override at this scale

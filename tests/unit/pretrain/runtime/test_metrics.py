@@ -12,7 +12,8 @@ import pytest
 import torch
 from one_process import tiny_run
 
-from pretrain.config.run_config import LoggingConfig, TrainConfig
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.runtime_sections import LoggingConfig
 from pretrain.run_files.run_dir import RunDir
 from pretrain.run_files.run_records import EvalRecord, TrainRecord
 from pretrain.runtime import metrics
