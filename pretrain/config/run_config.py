@@ -1,12 +1,12 @@
 """The pretraining run config: every section of the YAML composed into one RunConfig, typed and validated
 before launch.
 
-Each section is defined beside what reads it: `model:` and `parallel:` are ora_megatron's
-(model_config.py); `supervision:` (pretrain/job/supervision.py) and `faults:` (pretrain/job/faults.py)
-the job's; `stability:` (stability.py, beside the step guard) and `init_from:` (init_from.py) this
-room's; the sections that the runtime reads (runtime_sections.py), that the loop reads
-(loop_sections.py) and the freeze schedule (freeze.py) sit in this room too, below their readers, so
-that a config loads without torch. Checks that depend on the number of processes (batch divisibility,
+`model:` and `parallel:` are ora_megatron's (model_config.py); `supervision:` (pretrain/job/supervision.py)
+and `faults:` (pretrain/job/faults.py) are the job's, beside the code that reads them. The sections that
+the runtime reads (runtime_sections.py), that the loop reads (loop_sections.py), the freeze schedule
+(freeze.py), `stability:` (stability.py) and `init_from:` (init_from.py) sit in this room, one module per
+reader, below their readers: the runtime and the loop import the config, and a config loads without
+torch. Checks that depend on the number of processes (batch divisibility,
 ZeRO vs pipeline) run in `validate_for_world(cfg, world_size)`, which the entry point calls before
 spawning workers, and `for_world(cfg, world_size)` gives the config that then runs (and that the run
 dir records).

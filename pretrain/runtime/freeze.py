@@ -9,6 +9,8 @@ optimizer with their state.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from deepspeed import DeepSpeedEngine
 
@@ -97,8 +99,10 @@ def _restore(ds_engine: DeepSpeedEngine, per_param: dict, steps: dict) -> None:
         set_full_optimizer_state(ds_engine, param, carried, masters)
 
 
-def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, grad_accum: int):
-    """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed."""
+def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, grad_accum: int,
+                       step_veto: Callable[[], bool] | None = None):
+    """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed (with
+    `step_veto`, as build_engine takes it)."""
     module = train_engine.module
     changes = _trainability_changes(module, trainability(cfg.model, cfg.freeze, index))
     if not changes:
@@ -109,7 +113,7 @@ def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, gr
         param.optimizer_cohort = f"stage{index}"  # its own Adam step count
     scheduler_state = train_engine.scheduler.state_dict()
     train_engine.ds_engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
-    new = build_engine(cfg, grad_accum, model=module)
+    new = build_engine(cfg, grad_accum, model=module, step_veto=step_veto)
     new.scheduler.load_state_dict(scheduler_state)
     _restore(new.ds_engine, per_param, steps)
     return new
