@@ -15,6 +15,9 @@ message and exit status 2 instead of a traceback inside the workers. Both checks
    refuses the resume; allowed changes are reported. `train.steps` below the checkpoint's step is
    refused too: the run has trained past it.
 
+A resumed run trains the model settings its weight import took over at its first start
+(`recorded_model`), and a run whose last checkpoint ends it has nothing to train (`nothing_to_train`).
+
 `ResumePlan.apply` then does the only writes: `latest` moves to the chosen checkpoint when the one
 it named is damaged (workers load `latest`, so they need no other channel to learn the tag), and
 a line goes to the run dir's resume log.
@@ -23,12 +26,13 @@ a line goes to the run dir's resume log.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
+from ora_megatron.model_config import ModelConfig
 from pretrain.config.run_config import RunConfig, read_run_config
 from pretrain.run_files.run_dir import RunDir, step_of_tag
 
@@ -219,3 +223,29 @@ def check_config(run_dir: RunDir, tag: str, cfg: RunConfig, world_size: int) -> 
         raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag} with this config; refused changes:\n"
                             f"{lines}\nResume with the saved values, or start a new run with another --run-dir.")
     return changes
+
+
+def recorded_model(model: ModelConfig, run_dir: RunDir) -> ModelConfig:
+    """The model as the run trains it: with the settings its import took over (from its record), if any."""
+    record = run_dir.read_init_from()
+    for key, (_, new) in (record or {}).get("taken_over", {}).items():
+        model = replace(model, **{key.removeprefix("model."): new})
+    return model
+
+
+def nothing_to_train(run_dir: RunDir, tag: Optional[str], cfg: RunConfig) -> Optional[str]:
+    """The message for a run that resuming from checkpoint `tag` would not train (it has a summary
+    and `tag` is its last step: the command of a finished run, again), else None. Such a run's
+    files stay as they are: no run files, resume log line or summary is written. A run that early
+    stopping ended is finished too, unless its early-stopping settings changed since."""
+    if tag is None or not run_dir.summary.exists():
+        return None
+    step = step_of_tag(tag)
+    if step >= cfg.train.steps:
+        return f"run dir {run_dir.path}: finished at step {step}, nothing to train"
+    summary = run_dir.read_summary()
+    if (summary.stopped_early and summary.steps == step
+            and read_run_config(run_dir).eval.early_stopping == cfg.eval.early_stopping):
+        return (f"run dir {run_dir.path}: stopped early at step {step} (eval.early_stopping), nothing to train; "
+                "change eval.early_stopping to train on")
+    return None

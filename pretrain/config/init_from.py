@@ -10,19 +10,17 @@ pretrain/checkpoint/import_plan.py checks the source against the run's model, co
 source's numerics over into the run's model config and writes RUN/init_from/weights.safetensors with
 the record RUN/init_from.json. The workers load those weights right after the engine is built when
 there is no checkpoint to resume (through reshard.load_weights: any TP, PP, ZeRO stage, the fp32
-masters included). A resume never imports again: the settings its import took over come
-from the record (`recorded_model`) and it continues from its checkpoint; the source may be gone by then.
+masters included). A resume never imports again: the settings its import took over come from the
+record (pretrain/checkpoint/resume_check.py's `recorded_model`) and it continues from its checkpoint;
+the source may be gone by then.
 """
 
 from __future__ import annotations
 
-import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ora_megatron.config_io import check
-from ora_megatron.model_config import ModelConfig
-from pretrain.run_files.run_dir import RunDir
 
 
 @dataclass
@@ -44,18 +42,3 @@ class InitFromConfig:
 
 class ImportRefused(ValueError):
     """The source cannot initialise this run; the message names the key, field or tensor at fault."""
-
-
-def forget_import(run_dir: RunDir) -> None:
-    """A fresh start without init_from.path: an import left by an earlier start that never saved a
-    checkpoint is not this run's."""
-    run_dir.init_from_record.unlink(missing_ok=True)
-    shutil.rmtree(run_dir.init_from_dir, ignore_errors=True)
-
-
-def recorded_model(model: ModelConfig, run_dir: RunDir) -> ModelConfig:
-    """The model as the run trains it: with the settings its import took over (from its record), if any."""
-    record = run_dir.read_init_from()
-    for key, (_, new) in (record or {}).get("taken_over", {}).items():
-        model = replace(model, **{key.removeprefix("model."): new})
-    return model

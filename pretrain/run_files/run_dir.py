@@ -41,6 +41,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import asdict, fields
@@ -206,6 +207,12 @@ class RunDir:
 
     def write_init_from(self, record: dict) -> None:
         write_text_atomic(self.init_from_record, json.dumps(record, indent=1) + "\n")
+
+    def forget_init_from(self) -> None:
+        """A fresh start without init_from.path: an import left by an earlier start that never saved a
+        checkpoint is not this run's."""
+        self.init_from_record.unlink(missing_ok=True)
+        shutil.rmtree(self.init_from_dir, ignore_errors=True)
     restarts = _Entry("restarts.jsonl")
     hangs = _Entry("hangs")
 

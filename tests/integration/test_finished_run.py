@@ -14,8 +14,8 @@ from distributed import free_port
 from pretrain_runs import REPO, command, env, keep_environment, write_config
 
 from pretrain import pretrain_ora
+from pretrain.checkpoint.resume_check import nothing_to_train
 from pretrain.config.run_config import load_run_config
-from pretrain.launch import start
 from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed  # the session's reference run trains once
@@ -90,4 +90,4 @@ def test_an_early_stopped_run_is_finished_until_its_early_stopping_changes(finis
     assert _snapshot(finished) == before
     cfg = load_run_config(str(config), ["train.steps=12", "eval.early_stopping.enabled=true",
                                         "eval.early_stopping.patience=20"])
-    assert start.nothing_to_train(RunDir(finished), "step00000006", cfg) is None
+    assert nothing_to_train(RunDir(finished), "step00000006", cfg) is None
