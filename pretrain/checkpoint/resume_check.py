@@ -70,8 +70,10 @@ POLICIES: dict[str, Policy] = {
     "train.steps": Policy(True, "the LR schedule keeps the checkpoint's decay horizon"),
     "train.global_batch_size": Policy(False, "step s reads samples [s·G, (s+1)·G), so another G would skip or "
                                              "repeat data (and change what a step means for the LR schedule)"),
+    "eval": SAFE,
+    "speed": SAFE,
     "freeze.schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
-                                           "optimizer state holds that stage's trainable parameters"),
+                                     "optimizer state holds that stage's trainable parameters"),
     "optimizer": Policy(False, "the LR schedule and AdamW hyperparameters are restored from the checkpoint, "
                                "so the new value would be silently ignored"),
     "optimizer.clip_grad": Policy(True, "DeepSpeed's gradient clipping is read from the config on every start"),
