@@ -218,6 +218,14 @@ def shard_file_problems(path: str, bin_bytes: int, idx_bytes: int, documents: in
     return problems
 
 
+def manifest_shard_problems(manifest: dict, root: str) -> list[str]:
+    """How the dataset files a manifest lists (relative to `root`, its folder) differ from what it records
+    for them (shard_file_problems of each; empty when all match)."""
+    return [problem for entry in manifest["datasets"]
+            for problem in shard_file_problems(os.path.join(root, entry["prefix"]), entry["bin_bytes"],
+                                               entry["idx_bytes"], entry["documents"])]
+
+
 def _shard_is_intact(out_dir: str, info: ShardInfo) -> bool:
     """Sizes of both files, the document count and the checksum of the (small) index;
     bin_sha256 is for `inspect --verify`, which rereads everything."""

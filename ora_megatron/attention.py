@@ -12,7 +12,7 @@
   Frozen Hadamard Q/K (ora, orthogonal_method=hadamard) skip their GEMMs altogether: they are
   applied as two small Kronecker contractions (hadamard.HadamardRows), forward and input
   gradient, and written straight into megatron's interleaved layout beside V's GEMM; a compiled layer
-  (train.compile) traces the same transforms as plain ops instead, their path settled before it runs.
+  (speed.compile) traces the same transforms as plain ops instead, their path settled before it runs.
 - `RandomQKSelfAttention`: megatron's SelfAttention, telling its linear_qkv which layer it is in.
 - `SynthesizerAttention`: softmax(R)·V with R per head (N×N, or R1·R2ᵀ of rank k), causal; covers
   synthesizer_random (trainable or fixed R), synthesizer_factorized and fixed_random_attention.
@@ -99,7 +99,7 @@ def _compiled_flex_attention():
 
 def flex_document_attention(q, k, v, block_mask: BlockMask, scale: Optional[float], enable_gqa: bool):
     """softmax(QKᵀ·scale + block mask)V, [b, heads, s, d]. On CUDA FlexAttention is fused only compiled:
-    compiled here, or traced into the compiled layer (train.compile). Elsewhere it runs unfused (eager,
+    compiled here, or traced into the compiled layer (speed.compile). Elsewhere it runs unfused (eager,
     forward only on CPU)."""
     fused = q.is_cuda and not torch.compiler.is_compiling()
     attend = _compiled_flex_attention() if fused else flex_attention
@@ -347,7 +347,7 @@ class RandomQKVLinear(torch.nn.Module):
         return out, None
 
     def _traced_hadamard_qkv(self, x):
-        """_HadamardQKV's output as plain differentiable ops, for a compiled layer (train.compile): its
+        """_HadamardQKV's output as plain differentiable ops, for a compiled layer (speed.compile): its
         hand-written kernels write into strided `out=` views, which dynamo cannot trace."""
         x2d = x.reshape(-1, x.size(-1))
         qk = self.hadamard.differentiable_columns(x2d, self.qk_block, self.qk_offset)  # [t, groups, q + k rows]
@@ -379,7 +379,7 @@ def settle_hadamard_paths_eagerly(model: torch.nn.Module) -> None:
     the fast transforms (`RandomQKVLinear._hadamard_applies`).
 
     The decision compares the weights with a seeded redraw once per frozen spell: values and a hash,
-    which a compiled layer (train.compile) cannot trace. Settled here, the layer reads only the Python
+    which a compiled layer (speed.compile) cannot trace. Settled here, the layer reads only the Python
     flags it left, which dynamo guards on (a freeze schedule's change recompiles, it does not break).
     """
     linears = [m for m in model.modules() if isinstance(m, RandomQKVLinear) and m.hadamard is not None]

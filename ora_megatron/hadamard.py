@@ -211,7 +211,7 @@ class HadamardRows(torch.nn.Module):
         return out
 
     def differentiable_columns(self, x: torch.Tensor, block: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """`columns` as plain differentiable ops, [T, *n] in x's dtype, for a compiled graph (train.compile):
+        """`columns` as plain differentiable ops, [T, *n] in x's dtype, for a compiled graph (speed.compile):
         `columns` writes into strided `out=` views and its callers regather the gradient by hand, which
         dynamo cannot trace; here autograd derives the same adjoint and the compiler fuses the gather."""
         return self.rows(x)[block, :, offset].movedim(-1, 0).to(x.dtype)

@@ -41,7 +41,7 @@ from ora_megatron.model_config import ModelConfig, ParallelConfig
 
 @torch.compiler.substitute_in_graph(megatron_utils.make_viewless_tensor)
 def _traceable_make_viewless_tensor(inp, requires_grad, keep_graph):
-    """megatron-core's `make_viewless_tensor` as a compiled layer (train.compile) traces it.
+    """megatron-core's `make_viewless_tensor` as a compiled layer (speed.compile) traces it.
 
     TransformerLayer passes its output through it so that the output is no view (megatron's own
     checkpointing and pipeline free activations through `.data`). The original moves `.data` into a
@@ -205,7 +205,7 @@ class StagedGPT(torch.nn.Module):
                 self.add_module(spec.name, spec.cls(**spec.kwargs))
             self.order.append((owner, spec.forward_fn))
         self.activation_checkpointing = False
-        self.fused_loss = linear_cross_entropy  # or its torch.compile'd self (train.compile)
+        self.fused_loss = linear_cross_entropy  # or its torch.compile'd self (speed.compile)
         self.core_attentions = [m for m in self.modules() if isinstance(m, SDPACoreAttention)]
 
     def document_mask(self, document_ids: torch.Tensor) -> DocumentMask:

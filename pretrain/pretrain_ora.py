@@ -6,7 +6,7 @@
     deepspeed --num_gpus 8 --module pretrain.pretrain_ora --config ...   # see launch/
 
 Parse, resolve, train, report. The start is resolved once, before any worker trains
-(pretrain/start.py): the config validated for the process count, the data checked, the run dir locked,
+(pretrain/launch/start.py): the config validated for the process count, the data checked, the run dir locked,
 and an existing run dir with a checkpoint resumed — after checking that the checkpoint's files match
 their integrity record (falling back to the newest intact one) and that the config changes nothing the
 checkpoint cannot take. So the same command continues an interrupted run. `python
@@ -15,7 +15,7 @@ pretrain/pretrain_ora.py ...` (a file path, as DeepSpeed's examples run scripts)
 With several processes, or supervision.max_restarts > 0, this process spawns the workers through
 torchrun and supervises them (pretrain/launch/local.py): a failed or hung rank restarts all of them
 from the latest intact checkpoint. One process trains here; under an external launcher each rank
-trains (pretrain/training/worker.py). Exit statuses: pretrain/exit_status.py.
+trains (pretrain/training/worker.py). Exit statuses: pretrain/job/exit_status.py.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ if not __package__:  # run as a file: its folder, first on sys.path, would shado
 import os
 
 from ora_megatron.config_io import ConfigError
-from pretrain.exit_status import EXIT_CONFIG_ERROR
+from pretrain.job.exit_status import EXIT_CONFIG_ERROR
 from pretrain.launch.launcher import adopt_scheduler_ranks
 from pretrain.launch.local import spawn_workers
-from pretrain.run_dir import RunDir
-from pretrain.start import StartRefused, parse_args, resolve
+from pretrain.launch.start import StartRefused, launched_worker, parse_args, resolve
+from pretrain.run_files.run_dir import RunDir
 
 
 def main(argv=None) -> int:
@@ -45,8 +45,6 @@ def main(argv=None) -> int:
         return EXIT_CONFIG_ERROR
     under_launcher = "WORLD_SIZE" in os.environ
     if under_launcher and not args.check_only:
-        from pretrain.training.worker import launched_worker  # the training stack: only where a rank trains here
-
         return launched_worker(args)
     try:
         start = resolve(args, under_launcher)

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from pretrain.config import read_run_config
+from pretrain.config.run_config import read_run_config
 from pretrain.export.export_record import recorded_files
 from pretrain.paths import REPO
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 PROMPT = "def main("
 PROGRESS_SECONDS = 5.0  # how often a followed stage's progress is polled and printed

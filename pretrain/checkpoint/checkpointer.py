@@ -29,8 +29,8 @@ from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.orthogonal import matches_regenerated
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.unpickling import restrict_checkpoint_loading, safe_load
-from pretrain.config import CheckpointConfig
-from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.config.loop_sections import CheckpointConfig
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag
 from pretrain.runtime.engine import TrainEngine
 
 
@@ -48,7 +48,7 @@ class TrainState:
     scheduler: dict = field(default_factory=dict)
     train_time_s: float = 0.0  # training-loop wall time of every segment of the run, up to this checkpoint
     spike_skips: int = 0  # updates skipped as loss or gradient-norm spikes (stability.spike_skip)
-    spike_window: dict = field(default_factory=dict)  # the skip-step window (pretrain/stability.py)
+    spike_window: dict = field(default_factory=dict)  # the skip-step window (pretrain/runtime/step_guard.py)
     # [from_step, batches]: from (0-based) step `from_step` on, the data position is that many batches
     # further on (a rewind skipped them); the batches a step reads are those of data_position(step).
     data_skips: list = field(default_factory=list)

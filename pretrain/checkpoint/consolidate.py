@@ -39,8 +39,9 @@ from ora_megatron.orthogonal import matches_regenerated
 from ora_megatron.parallel import init_distributed
 from ora_megatron.stages import StagedGPT, StageSpec, build_staged_gpt, stage_specs
 from pretrain.checkpoint.unpickling import check_checkpoint_files, safe_load
-from pretrain.config import RunConfig, TrainConfig, read_run_config
-from pretrain.run_dir import RunDir
+from pretrain.config.freeze import FreezeConfig
+from pretrain.config.run_config import RunConfig, read_run_config
+from pretrain.run_files.run_dir import RunDir
 from pretrain.runtime.freeze import trainability
 
 FP32_MASTER = "fp32_master"
@@ -107,7 +108,7 @@ def consolidated_state_dict(cfg: RunConfig, checkpoint_dir: Path) -> Consolidate
         raise ValueError("ZeRO-3 with pipeline parallelism: DeepSpeed's pipeline engine refuses it, "
                          "so no such checkpoint exists")
 
-    frozen = untrained_qk(cfg.model, cfg.train, reference, checkpoint_dir)
+    frozen = untrained_qk(cfg.model, cfg.freeze, cfg.train.steps, reference, checkpoint_dir)
     merged = {}
     for what, per_rank in (("module", module), ("fp32 master", master)):
         if per_rank is not None:
@@ -178,7 +179,7 @@ QK_KEY = re.compile(r"layer(\d+)\.layer\.self_attention\.linear_qkv\.([qk])_weig
 
 def imported_qk(run_dir: RunDir) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, role) → the full Q or K of a run that imported them at its start (init_from.qk:
-    imported; pretrain/init_from.py), which are its reference instead of the draw; else {}."""
+    imported; pretrain/config/init_from.py), which are its reference instead of the draw; else {}."""
     record = run_dir.read_init_from()
     if not record or record.get("qk") != "imported":
         return {}
@@ -203,20 +204,20 @@ def use_run_qk(reference: StagedGPT, run_dir: RunDir) -> None:
                     getattr(linear, f"{role}_weight").copy_(linear.local_weight(role))
 
 
-def untrained_qk(model: ModelConfig, train: TrainConfig, reference: StagedGPT,
+def untrained_qk(model: ModelConfig, freeze: FreezeConfig, steps: int, reference: StagedGPT,
                  checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """Name → regenerated fp32 value of every Q/K that was frozen in every step before the checkpoint.
 
     Those are a function of (seed, layer, role) and are regenerated; a Q/K that was trainable in
     some step (attention.train_q/k, or a freeze-schedule stage) is an ordinary trained weight.
-    The trainer runs step s (0-based) in schedule stage `train.freeze_stage_at(s)`.
+    The trainer runs step s (0-based) in schedule stage `freeze.stage_at(s, steps)`.
     """
     stages = {-1}
-    if train.freeze_stages:
+    if freeze.stages:
         run = RunDir(checkpoint_dir.parent.parent)
         steps_done = run.read_train_state(checkpoint_dir.name)["step"]
-        stages = {train.freeze_stage_at(s) for s in range(max(steps_done, 1))}
-    flags = [trainability(model, train, index) for index in stages]
+        stages = {freeze.stage_at(s, steps) for s in range(max(steps_done, 1))}
+    flags = [trainability(model, freeze, index) for index in stages]
     frozen = {}
     for prefix, linear in reference.named_modules():
         if isinstance(linear, RandomQKVLinear):

@@ -1,4 +1,4 @@
-"""Checking and converting the weights a run starts from (init_from.path, pretrain/init_from.py),
+"""Checking and converting the weights a run starts from (init_from.path, pretrain/config/init_from.py),
 in the process that resolves the run, before any worker. `plan_import`:
 
 1. reads the source's config and refuses, naming the field, a family other than model.family, a
@@ -37,9 +37,10 @@ import torch
 from ora_megatron.families import family_of, hf_mapping_of
 from ora_megatron.families.hf import QKV, HFConfigRefused, join_qkv, split_qkv
 from ora_megatron.model_config import ModelConfig
-from pretrain.config import DataConfig, RunConfig, read_run_config
-from pretrain.init_from import ImportRefused
-from pretrain.run_dir import RunDir, file_sha256
+from pretrain.config.init_from import ImportRefused
+from pretrain.config.run_config import RunConfig, read_run_config
+from pretrain.config.runtime_sections import DataConfig
+from pretrain.run_files.run_dir import RunDir, file_sha256
 
 VOCAB_KEYS = ("embedding.embedding.word_embeddings.weight", "output.output_layer.weight")
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")

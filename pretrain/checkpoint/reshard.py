@@ -54,9 +54,9 @@ from pretrain.checkpoint.zero_files import (
     merged_fragments,
     torch_optimizer_state,
 )
-from pretrain.config import RunConfig
-from pretrain.parallel_layout import ParallelLayout
-from pretrain.run_dir import RunDir, write_text_atomic
+from pretrain.config.run_config import RunConfig
+from pretrain.job.parallel_layout import ParallelLayout
+from pretrain.run_files.run_dir import RunDir, write_text_atomic
 from pretrain.runtime.ds_internals import (
     MOMENTS,
     base_optimizer,

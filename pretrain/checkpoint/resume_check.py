@@ -15,6 +15,9 @@ message and exit status 2 instead of a traceback inside the workers. Both checks
    refuses the resume; allowed changes are reported. `train.steps` below the checkpoint's step is
    refused too: the run has trained past it.
 
+A resumed run trains the model settings its weight import took over at its first start
+(`recorded_model`), and a run whose last checkpoint ends it has nothing to train (`nothing_to_train`).
+
 `ResumePlan.apply` then does the only writes: `latest` moves to the chosen checkpoint when the one
 it named is damaged (workers load `latest`, so they need no other channel to learn the tag), and
 a line goes to the run dir's resume log.
@@ -23,14 +26,15 @@ a line goes to the run dir's resume log.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.config import RunConfig, read_run_config
-from pretrain.run_dir import RunDir, step_of_tag
+from ora_megatron.model_config import ModelConfig
+from pretrain.config.run_config import RunConfig, read_run_config
+from pretrain.run_files.run_dir import RunDir, step_of_tag
 
 
 class ResumeRefused(Exception):
@@ -66,8 +70,10 @@ POLICIES: dict[str, Policy] = {
     "train.steps": Policy(True, "the LR schedule keeps the checkpoint's decay horizon"),
     "train.global_batch_size": Policy(False, "step s reads samples [s·G, (s+1)·G), so another G would skip or "
                                              "repeat data (and change what a step means for the LR schedule)"),
-    "train.freeze_schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
-                                           "optimizer state holds that stage's trainable parameters"),
+    "eval": SAFE,
+    "speed": SAFE,
+    "freeze.schedule": Policy(False, "the checkpoint's freeze stage indexes the schedule, and its "
+                                     "optimizer state holds that stage's trainable parameters"),
     "optimizer": Policy(False, "the LR schedule and AdamW hyperparameters are restored from the checkpoint, "
                                "so the new value would be silently ignored"),
     "optimizer.clip_grad": Policy(True, "DeepSpeed's gradient clipping is read from the config on every start"),
@@ -97,7 +103,7 @@ def policy_of(key: str) -> Policy:
 
 
 def flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Dotted leaf keys of a nested mapping; lists are leaves (`train.freeze_schedule`)."""
+    """Dotted leaf keys of a nested mapping; lists are leaves (`freeze.schedule`)."""
     for key, value in tree.items():
         dotted = f"{prefix}.{key}" if prefix else key
         if isinstance(value, dict) and value:
@@ -219,3 +225,29 @@ def check_config(run_dir: RunDir, tag: str, cfg: RunConfig, world_size: int) -> 
         raise ResumeRefused(f"cannot resume {run_dir.path} from checkpoint {tag} with this config; refused changes:\n"
                             f"{lines}\nResume with the saved values, or start a new run with another --run-dir.")
     return changes
+
+
+def recorded_model(model: ModelConfig, run_dir: RunDir) -> ModelConfig:
+    """The model as the run trains it: with the settings its import took over (from its record), if any."""
+    record = run_dir.read_init_from()
+    for key, (_, new) in (record or {}).get("taken_over", {}).items():
+        model = replace(model, **{key.removeprefix("model."): new})
+    return model
+
+
+def nothing_to_train(run_dir: RunDir, tag: Optional[str], cfg: RunConfig) -> Optional[str]:
+    """The message for a run that resuming from checkpoint `tag` would not train (it has a summary
+    and `tag` is its last step: the command of a finished run, again), else None. Such a run's
+    files stay as they are: no run files, resume log line or summary is written. A run that early
+    stopping ended is finished too, unless its early-stopping settings changed since."""
+    if tag is None or not run_dir.summary.exists():
+        return None
+    step = step_of_tag(tag)
+    if step >= cfg.train.steps:
+        return f"run dir {run_dir.path}: finished at step {step}, nothing to train"
+    summary = run_dir.read_summary()
+    if (summary.stopped_early and summary.steps == step
+            and read_run_config(run_dir).eval.early_stopping == cfg.eval.early_stopping):
+        return (f"run dir {run_dir.path}: stopped early at step {step} (eval.early_stopping), nothing to train; "
+                "change eval.early_stopping to train on")
+    return None

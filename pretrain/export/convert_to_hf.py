@@ -50,7 +50,8 @@ from pretrain.checkpoint.consolidate import (
     tp1_parallel_state,
 )
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
-from pretrain.config import DataConfig, RunConfig, read_run_config
+from pretrain.config.run_config import RunConfig, read_run_config
+from pretrain.config.runtime_sections import DataConfig
 from pretrain.export.export_record import (
     EXPORT_RECORD,
     files_under,
@@ -58,7 +59,7 @@ from pretrain.export.export_record import (
     read_export_record,
     write_export_record,
 )
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 EXIT_ERROR, EXIT_VERIFY_FAILED = 2, 1
 TOLERANCE = {"max_abs_logit": 1e-4, "mean_kl": 1e-9}
@@ -129,7 +130,8 @@ def verification_tokens(cfg: RunConfig, rows: int = 4, random_rows: int = 2) -> 
     """[rows + random_rows, seq] token ids: the run's first validation samples, then random ids."""
     from pretrain.runtime.data import build_datasets, build_tokenizer
 
-    small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1, eval_iters=1))
+    small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1),
+                                eval=dataclasses.replace(cfg.eval, iters=1))
     # megatron-core's dataset builders synchronise through torch.distributed, even alone.
     with tempfile.TemporaryDirectory(prefix="ora-export-data-") as cache, tp1_parallel_state():
         datasets = build_datasets(small, build_tokenizer(small.data, small.model.vocab_size), Path(cache))

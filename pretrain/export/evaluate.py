@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pretrain.environment import keep_offline
 from pretrain.export.export_record import read_export_record
-from pretrain.extras import needs_extra
-from pretrain.run_dir import RunDir, write_text_atomic
+from pretrain.job.environment import keep_offline
+from pretrain.job.extras import needs_extra
+from pretrain.run_files.run_dir import RunDir, write_text_atomic
 
 EXIT_ERROR = 2
 EVALUATION_NAME = "downstream"

@@ -23,7 +23,7 @@ deepspeed command is printed on stdout, quoted so that it can be pasted, then ex
 paths in CONFIG, RUN_DIR, HOSTFILE and DATA_MANIFEST are relative to where the user ran the
 script (ORA_CALLER_DIR, set by the script; else the current directory).
 
-The launch then supervises DeepSpeed's launcher (pretrain/supervision.py), on every node that runs
+The launch then supervises DeepSpeed's launcher (pretrain/launch/supervisor.py), on every node that runs
 this script: when a rank fails (a crash, a kill, a hang its watchdog reports, a collective timeout),
 the node's processes are killed and DeepSpeed's launcher starts again, resuming from the latest intact
 checkpoint, as supervision.max_restarts allows; SIGTERM, SIGINT or SIGUSR1 make the workers save and stop.
@@ -49,12 +49,13 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ora_megatron.config_io import ConfigError
-from pretrain.environment import device_environment
+from pretrain.job.environment import device_environment
+from pretrain.job.supervision import ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE
 from pretrain.launch.hostfile import HostfileError, parse_hostfile, slots_per_node
+from pretrain.launch.start import Start, check_start, launched_worker, parse_args
+from pretrain.launch.supervisor import Attempt, supervise
 from pretrain.paths import ENTRY_MODULE, REPO, preset_names, preset_path
-from pretrain.run_dir import RunDir
-from pretrain.start import Start, check_start, parse_args
-from pretrain.supervision import ATTEMPT_VARIABLE, JOB_START_VARIABLE, SUPERVISOR_VARIABLE, Attempt, supervise
+from pretrain.run_files.run_dir import RunDir
 
 ENTRY = ["--module", ENTRY_MODULE]  # run from the repository root
 # DeepSpeed's SLURM backend runs `python -u SCRIPT` and has no --module (multinode_runner.py,
@@ -313,8 +314,6 @@ def split_config_argument(args: list[str], env: Environment) -> tuple[str, list[
 
 def run_worker(args: list[str], env: Environment) -> int:
     """As DeepSpeed's worker (deepspeed --no_python ... launch/pretrain_ora.sh ...): train."""
-    from pretrain.training.worker import launched_worker  # the training stack: only in a worker
-
     if args and args[0].startswith("--local_rank="):
         args = args[1:]
     config, rest = split_config_argument(args, env)

@@ -1,5 +1,5 @@
 """The training entry's own spawn: `world_size` local workers through torchrun's elastic agent, in the
-entry's process, supervised (pretrain/supervision.py): a failed attempt is restarted from the latest
+entry's process, supervised (pretrain/launch/supervisor.py): a failed attempt is restarted from the latest
 intact checkpoint as supervision.max_restarts allows. Each worker runs pretrain/training/worker.py on
 the run dir, whose config the start resolved, and holds the run dir's lock (handed down as stdin)."""
 
@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import sys
 
-from pretrain.environment import device_environment
-from pretrain.run_dir import RunDir, RunDirLock
-from pretrain.start import Start, restart_from
-from pretrain.supervision import Attempt, supervise
+from pretrain.job.environment import device_environment
+from pretrain.launch.start import Start, restart_from
+from pretrain.launch.supervisor import Attempt, supervise
+from pretrain.run_files.lock import RunDirLock
+from pretrain.run_files.run_dir import RunDir
 
 WORKER_MODULE = "pretrain.training.worker"
 

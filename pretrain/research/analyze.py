@@ -60,10 +60,10 @@ from ora_megatron.attention import RandomQKVLinear, SynthesizerAttention
 from ora_megatron.stages import DecoderLayerStage, StagedGPT
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
-from pretrain.config import RunConfig
-from pretrain.extras import needs_extra
+from pretrain.config.run_config import RunConfig
+from pretrain.job.extras import needs_extra
 from pretrain.research.report.plots import _save
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 with needs_extra("research"):
     from matplotlib.figure import Figure
@@ -301,8 +301,8 @@ def validation_tokens(cfg: RunConfig, count: int) -> tuple[torch.Tensor, str]:
     rows = max(1, math.ceil(count / cfg.model.seq_length))
     batches = math.ceil(rows / cfg.train.global_batch_size)
     # The run's own validation set when it is large enough; a training split of a few batches only.
-    train = dataclasses.replace(cfg.train, steps=batches, eval_iters=max(cfg.train.eval_iters, batches))
-    sized = dataclasses.replace(cfg, train=train)
+    sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=batches),
+                                eval=dataclasses.replace(cfg.eval, iters=max(cfg.eval.iters, batches)))
     # megatron-core's dataset builders synchronise through torch.distributed, even alone.
     with tempfile.TemporaryDirectory(prefix="ora-analyze-data-") as cache, tp1_parallel_state():
         datasets = build_datasets(sized, build_tokenizer(sized.data, sized.model.vocab_size), Path(cache))

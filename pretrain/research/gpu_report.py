@@ -64,8 +64,8 @@ from typing import Callable, Optional
 import torch
 
 from ora_megatron.config_io import ConfigError
-from pretrain.config import load_run_config
-from pretrain.environment import git_revision, megatron_core_version
+from pretrain.config.run_config import load_run_config
+from pretrain.job.environment import git_revision, megatron_core_version
 from pretrain.paths import REPO, preset_path
 from pretrain.research.gpu_report_build import (
     BENCH_WARMUP,
@@ -176,7 +176,7 @@ def measure_bench(out: Path, budget: Budget, preset: str, arms: list[str], steps
 
 
 def measure_train(out: Path, budget: Budget, preset: str, steps: int, sets: list[str]) -> dict:
-    from pretrain.run_dir import RunDir
+    from pretrain.run_files.run_dir import RunDir
     from pretrain.runtime.accounting import flops_per_token
 
     config = preset_path(preset)

@@ -22,7 +22,7 @@ FUSED_LOSS_OP = "_LinearCrossEntropy"  # ora_megatron.cross_entropy's autograd f
 def train_overrides(steps: int, sets: Sequence[str] = ()) -> list[str]:
     """The preset with the report's --set overrides, trained for `steps` steps on mock data, logged every few
     steps, writing nothing but metrics.jsonl, its summary and a final checkpoint."""
-    return [*sets, f"train.steps={steps}", f"train.log_interval={TRAIN_LOG_INTERVAL}", "train.eval_iters=1",
+    return [*sets, f"train.steps={steps}", f"train.log_interval={TRAIN_LOG_INTERVAL}", "eval.iters=1",
             f"optimizer.warmup_steps={max(1, steps // 10)}", "data.mock=true", "data.manifest=null",
             "logging.wandb_mode=disabled", "logging.tensorboard=false", "logging.progress=false"]
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pretrain.config import OptimizerConfig, RunConfig, load_run_config
-from pretrain.extras import needs_extra
+from pretrain.config.run_config import RunConfig, load_run_config
+from pretrain.config.runtime_sections import OptimizerConfig
+from pretrain.job.extras import needs_extra
 from pretrain.paths import preset_path
 from pretrain.runtime.optimizer import lr_scheduler
 

@@ -44,8 +44,9 @@ from ora_megatron.cross_entropy import chunk_tokens
 from ora_megatron.families import family_of
 from ora_megatron.model_config import ModelConfig, ParallelConfig
 from ora_megatron.stages import DecoderLayerStage, StageSpec, build_staged_gpt, owner_names, stage_specs
-from pretrain.config import RunConfig, TrainConfig, for_world, validate_for_world
-from pretrain.parallel_layout import ParallelLayout
+from pretrain.config.freeze import FreezeConfig
+from pretrain.config.run_config import RunConfig, for_world, validate_for_world
+from pretrain.job.parallel_layout import ParallelLayout
 from pretrain.runtime.ds_config import deepspeed_config, fp32_grad_accumulation
 from pretrain.runtime.optimizer import param_groups
 
@@ -103,15 +104,15 @@ class Shard:
 
 
 # ------------------------------------------------------------------ the parameters each stage holds
-def _apply_most_trainable_freeze_stage(config: ModelConfig, train: TrainConfig, model: torch.nn.Module) -> None:
+def _apply_most_trainable_freeze_stage(config: ModelConfig, freeze: FreezeConfig, model: torch.nn.Module) -> None:
     """With a freeze schedule, take the stage with the most trainable Q/K: the one holding the most."""
     from pretrain.runtime.freeze import trainability
 
-    stages = train.freeze_stages
+    stages = freeze.stages
     if not stages:
         return
     indices = list(range(len(stages))) + ([-1] if stages[0].start > 0 else [])
-    flags = max((trainability(config, train, i) for i in indices), key=lambda t: sum(t.values()))
+    flags = max((trainability(config, freeze, i) for i in indices), key=lambda t: sum(t.values()))
     for linear in (m for m in model.modules() if isinstance(m, RandomQKVLinear)):
         for role in ("q", "k"):
             getattr(linear, f"{role}_weight").requires_grad_(flags[(linear.layer_number, role)])
@@ -137,7 +138,7 @@ def stage_shards(cfg: RunConfig, stages: list[list[StageSpec]]) -> list[list[Sha
     tp = cfg.parallel.tensor
     with torch.device("meta"):
         model = build_staged_gpt(cfg.model, dataclasses.replace(cfg.parallel, tensor=1, pipeline=1))
-    _apply_most_trainable_freeze_stage(cfg.model, cfg.train, model)
+    _apply_most_trainable_freeze_stage(cfg.model, cfg.freeze, model)
     group_of = {id(p): g["name"] for g in param_groups(model, cfg.optimizer.weight_decay) for p in g["params"]}
     owners = owner_names([spec for stage in stages for spec in stage])
 
@@ -387,7 +388,7 @@ def layout_of(cfg: RunConfig, world_size: int) -> Layout:
     return Layout(parallel=ParallelLayout.of(cfg.parallel, world_size),
                   zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
                   micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum,
-                  activation_checkpointing=cfg.train.activation_checkpointing,
+                  activation_checkpointing=cfg.speed.activation_checkpointing,
                   fp32_grad_accumulation=fp32_grad_accumulation(cfg.deepspeed, grad_accum))
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from ora_megatron.config_io import ConfigError
-from pretrain.config import load_run_config
+from pretrain.config.run_config import load_run_config
 from pretrain.paths import preset_names, preset_path
 from pretrain.research.memory_model import DTYPE_BYTES, GIB, RESERVE_FRACTION, layout_of, plan
 
@@ -41,7 +41,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     items = list(args.set)
     items += [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     if args.activation_checkpointing:
-        items.append("train.activation_checkpointing=true")
+        items.append("speed.activation_checkpointing=true")
     return items
 
 
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="train.micro_batch_size")
     parser.add_argument("--precision", choices=sorted(DTYPE_BYTES), help="deepspeed.precision")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="train.activation_checkpointing=true")
+                        help="speed.activation_checkpointing=true")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)

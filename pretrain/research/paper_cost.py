@@ -22,9 +22,9 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pretrain.config import RunConfig
+from pretrain.config.run_config import RunConfig
 from pretrain.research.sweep.spec import SweepError, expand, load_spec
-from pretrain.run_dir import config_hash
+from pretrain.run_files.run_dir import config_hash
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 SCALE = "paper"

@@ -33,8 +33,8 @@ from data_tools.probe_tasks import read_examples
 from data_tools.readers import DataError
 from pretrain.checkpoint.consolidate import CheckpointMismatch, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile
-from pretrain.config import read_run_config
-from pretrain.run_dir import RunDir
+from pretrain.config.run_config import read_run_config
+from pretrain.run_files.run_dir import RunDir
 
 NAME = "probe"
 EXIT_ERROR = 2

@@ -83,7 +83,7 @@ def device_model(name: str) -> Optional[str]:
 
 def matmul_dtype(precision: str, tf32: bool) -> str:
     """The format a run's matmuls run in: its precision, except fp32, whose matmuls run in TF32 where torch
-    allows it (Ampere and later; `train.tf32`, torch's default is off) and in FP32 otherwise."""
+    allows it (Ampere and later; `speed.tf32`, torch's default is off) and in FP32 otherwise."""
     if precision != "fp32":
         return precision
     return "tf32" if tf32 else "fp32"

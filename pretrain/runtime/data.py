@@ -22,9 +22,10 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
 from data_tools.manifest import blend_per_split_from_manifest, load_manifest, manifest_path
-from data_tools.shard_writer import sha256_file, shard_file_problems
+from data_tools.shard_writer import manifest_shard_problems, sha256_file
 from ora_megatron.config_io import ConfigError
-from pretrain.config import BlendEntry, DataConfig, RunConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import BlendEntry, DataConfig
 
 SPLITS = ("train", "valid", "test")
 
@@ -60,16 +61,16 @@ def _blend(entries: list[BlendEntry]):
 
 def dataset_config(data: DataConfig, seq_length: int, tokenizer, cache_dir: Path) -> GPTDatasetConfig:
     blend, blend_per_split, split = None, None, None
-    if data.manifest:
+    if data.blend:
+        blend, split = _blend(data.blend), data.split
+    elif data.train_blend:
+        blend_per_split = [_blend(data.train_blend), _blend(data.valid_blend), _blend(data.test_blend)]
+    elif data.manifest:
         per_split = blend_per_split_from_manifest(data.manifest)
         if per_split[1] is None and per_split[2] is None:  # built without --split: cut by ratio
             blend, split = per_split[0], data.split
         else:
             blend_per_split = per_split
-    elif data.blend:
-        blend, split = _blend(data.blend), data.split
-    elif data.train_blend:
-        blend_per_split = [_blend(data.train_blend), _blend(data.valid_blend), _blend(data.test_blend)]
     else:
         split = data.split
     # Document masking travels as document ids, read off megatron-core's reset positions (`document_ids`):
@@ -126,11 +127,15 @@ def check_data(cfg: RunConfig) -> None:
     tokenizer = build_tokenizer(data, cfg.model.vocab_size)
     if manifest is not None:
         _check_manifest_tokenizer(data, manifest, path, tokenizer.vocab_size)
-        _check_manifest_shards(data, manifest)
+    config = dataset_config(data, cfg.model.seq_length, tokenizer, cache_dir=Path("."))
+    if manifest is not None:  # a stat and the .idx header of each file: a truncated or replaced shard fails here
+        problems = manifest_shard_problems(manifest, str(Path(manifest_path(data.manifest)).resolve().parent))
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ConfigError("data.manifest", f"the shards do not match {data.manifest}: {problems[0]}{more}")
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the tokenizer's "
                                               f"{tokenizer.vocab_size} ids ({path})")
-    config = dataset_config(data, cfg.model.seq_length, tokenizer, cache_dir=Path("."))
     split_tokens = dict.fromkeys(SPLITS, 0)
     for prefix, matrix in _datasets_and_splits(config):
         if not (Path(prefix + ".idx").exists() and Path(prefix + ".bin").exists()):
@@ -168,26 +173,14 @@ def _check_manifest_tokenizer(data: DataConfig, manifest: dict, path: str, vocab
                                             f"built with ({built['path']}): {', '.join(differs)}")
 
 
-def _check_manifest_shards(data: DataConfig, manifest: dict) -> None:
-    """Every dataset file has the byte size and document count the manifest records (a stat and
-    the .idx header each): a truncated or replaced shard fails here, not inside the workers."""
-    root = Path(manifest_path(data.manifest)).resolve().parent
-    problems = [problem for entry in manifest["datasets"]
-                for problem in shard_file_problems(str(root / entry["prefix"]), entry["bin_bytes"],
-                                                   entry["idx_bytes"], entry["documents"])]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ConfigError("data.manifest", f"the shards do not match {data.manifest}: {problems[0]}{more}")
-
-
 def build_datasets(cfg: RunConfig, tokenizer, cache_dir: Path) -> dict[str, Optional[GPTDataset]]:
     """Train/valid/test datasets sized for the run (valid and test: a fixed set of eval batches), and
-    with train.eval_per_source each source's valid and test datasets, as `source_split(split, source)`."""
-    sizes = [cfg.train.train_samples, cfg.train.eval_samples, cfg.train.eval_samples]
+    with eval.per_source each source's valid and test datasets, as `source_split(split, source)`."""
+    sizes = [cfg.train.train_samples, cfg.eval_samples, cfg.eval_samples]
     config = dataset_config(cfg.data, cfg.model.seq_length, tokenizer, cache_dir)
     cls = MockGPTDataset if cfg.data.mock else GPTDataset
     datasets = dict(zip(SPLITS, BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()))
-    for source, per_split in eval_sources(cfg.data, cfg.train.eval_per_source, config).items():
+    for source, per_split in eval_sources(cfg.data, cfg.eval.per_source, config).items():
         # Built as a run whose valid/test blends were this source's entries alone would build them.
         single = dataclasses.replace(config, blend=None, split=None, blend_per_split=[None, *per_split])
         valid, test = BlendedMegatronDatasetBuilder(cls, [None, *sizes[1:]], lambda: True, single).build()[1:]
@@ -203,7 +196,7 @@ def source_split(split: str, source: str) -> str:
 def eval_sources(data: DataConfig, per_source: bool, config: GPTDatasetConfig) -> dict[str, list]:
     """Source → [valid blend, test blend] of its entries in the run's blends (prefixes and weights as the
     manifest gives them; None where the source has none), for a manifest of two or more sources in its
-    valid/test splits and train.eval_per_source (`per_source`). A manifest built without --split (its
+    valid/test splits and eval.per_source (`per_source`). A manifest built without --split (its
     shards cut by data.split) evaluates the blend only."""
     if not (per_source and data.manifest):
         return {}

@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from pretrain.config import DeepSpeedConfig, RunConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import DeepSpeedConfig
 from pretrain.paths import DS_CONFIG_DIR
 
 

@@ -24,7 +24,7 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from pretrain.stability import guard_steps
+from pretrain.runtime.step_guard import guard_steps
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -250,7 +250,7 @@ def skip_nonfinite_steps_by_norm(ds_engine: DeepSpeedEngine) -> None:
 
 def step_grad_norm(ds_engine: DeepSpeedEngine) -> Optional[float]:
     """The global gradient norm (before clipping) of the step DeepSpeed is taking, for code that the torch
-    optimizer's `step()` calls (pretrain/stability.py); None where DeepSpeed computes none.
+    optimizer's `step()` calls (pretrain/runtime/step_guard.py); None where DeepSpeed computes none.
 
     `get_global_grad_norm()` is the engine's copy, taken after the step. Every wrapper (ZeRO-1/2/3,
     the bf16 and fp16 optimizers) sets its `_global_grad_norm` before it calls the torch optimizer;

@@ -19,12 +19,18 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ora_megatron.attention import settle_hadamard_paths_eagerly
 from ora_megatron.stages import DecoderLayerStage, StagedGPT, StageSpec, owner_names, stage_specs
-from pretrain.config import RunConfig
-from pretrain.parallel_layout import ParallelLayout
+from pretrain.config.run_config import RunConfig
+from pretrain.job.parallel_layout import ParallelLayout
 from pretrain.runtime.ds_config import deepspeed_config
-from pretrain.runtime.ds_internals import keep_fp32_clip_norm, skip_nonfinite_steps_by_norm, undo_initial_zero_step
+from pretrain.runtime.ds_internals import (
+    base_optimizer,
+    keep_fp32_clip_norm,
+    skip_nonfinite_steps_by_norm,
+    undo_initial_zero_step,
+)
 from pretrain.runtime.loss import lm_loss
 from pretrain.runtime.optimizer import build_optimizer, lr_scheduler
+from pretrain.runtime.step_guard import guard_steps
 
 
 class MegatronMPU:
@@ -79,11 +85,12 @@ class PipelinedGPT(PipelineModule):
         return name.startswith("tied_modules.") and self.stage_id != 0
 
 
-def _pipeline_module(specs: list[StageSpec], layout: ParallelLayout, activation_checkpointing: bool) -> PipelinedGPT:
+def _pipeline_module(cfg: RunConfig, layout: ParallelLayout) -> PipelinedGPT:
+    specs = stage_specs(cfg.model, cfg.parallel)
     topology = PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor, num_dp=layout.data)
     return PipelinedGPT(
         specs, topology=topology, loss_fn=lm_loss, partition_method="type:DecoderLayerStage",
-        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        activation_checkpoint_interval=1 if cfg.speed.activation_checkpointing else 0,
         checkpointable_layers=[DecoderLayerStage.__name__])
 
 
@@ -154,18 +161,21 @@ def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor") 
 def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
     # DeepSpeed's comm layer wraps the existing torch process group (PipelineModule needs it).
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
-    specs = stage_specs(cfg.model, cfg.parallel)
     if layout.pipeline > 1:
-        model = _pipeline_module(specs, layout, cfg.train.activation_checkpointing)
+        model = _pipeline_module(cfg, layout)
     else:
-        model = StagedGPT(specs)
-        model.activation_checkpointing = cfg.train.activation_checkpointing
-    if cfg.train.compile:
+        model = StagedGPT(stage_specs(cfg.model, cfg.parallel))
+        model.activation_checkpointing = cfg.speed.activation_checkpointing
+    if cfg.speed.compile:
         compile_model(model)
     return model
 
 
-def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None = None) -> TrainEngine:
+def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None = None,
+                 step_veto: Callable[[], bool] | None = None) -> TrainEngine:
+    """The run's engine around `model` (default: built from the config). `step_veto`: asked before each
+    torch optimizer step, which it skips when it says so (the training loop's step guard); it decides
+    before the engine's own guards."""
     layout = ParallelLayout.of(cfg.parallel, torch.distributed.get_world_size())
     model = model if model is not None else build_model(cfg, layout)
     opt = cfg.optimizer
@@ -179,6 +189,8 @@ def build_engine(cfg: RunConfig, grad_accum: int, model: torch.nn.Module | None 
     skip_nonfinite_steps_by_norm(ds_engine)
     if fp32_zero0 and opt.clip_grad > 0:  # DeepSpeed clips in the engine and steps SkippingAdamW directly
         keep_fp32_clip_norm(ds_engine, ds_engine.optimizer.record_clip_norm)
+    if step_veto is not None:
+        guard_steps(base_optimizer(ds_engine), step_veto)
     single_replica = fp32_zero0 and not pipelined and layout.data == 1
     return TrainEngine(ds_engine=ds_engine, scheduler=lr_scheduler(cfg, optimizer), pipelined=pipelined,
                        layout=layout, single_replica=single_replica,

@@ -9,12 +9,15 @@ optimizer with their state.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from deepspeed import DeepSpeedEngine
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import ModelConfig
-from pretrain.config import RunConfig, TrainConfig
+from pretrain.config.freeze import FreezeConfig
+from pretrain.config.run_config import RunConfig
 from pretrain.runtime.ds_internals import (
     base_optimizer,
     full_optimizer_state,
@@ -34,13 +37,13 @@ def _layers(layer_set, num_layers: int) -> set[int]:
             "second_half": set(range(half + 1, num_layers + 1))}[layer_set]
 
 
-def trainability(model: ModelConfig, train: TrainConfig, index: int) -> dict[tuple[int, str], bool]:
+def trainability(model: ModelConfig, freeze: FreezeConfig, index: int) -> dict[tuple[int, str], bool]:
     """(layer, "q"|"k") → requires_grad for stage `index` (-1: the attention config's flags)."""
     att, n = model.attention, model.num_layers
     if index < 0:
         return {(layer, role): flag for layer in range(1, n + 1)
                 for role, flag in (("q", att.train_q), ("k", att.train_k))}
-    stage = train.freeze_stages[index]
+    stage = freeze.stages[index]
     frozen = {"q": _layers(stage.frozen_q, n), "k": _layers(stage.frozen_k, n)}
     return {(layer, role): layer not in frozen[role] for layer in range(1, n + 1) for role in ("q", "k")}
 
@@ -96,10 +99,12 @@ def _restore(ds_engine: DeepSpeedEngine, per_param: dict, steps: dict) -> None:
         set_full_optimizer_state(ds_engine, param, carried, masters)
 
 
-def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, grad_accum: int):
-    """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed."""
+def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, grad_accum: int,
+                       step_veto: Callable[[], bool] | None = None):
+    """Set Q/K trainability for stage `index`; rebuild the engine if the trainable set changed (with
+    `step_veto`, as build_engine takes it)."""
     module = train_engine.module
-    changes = _trainability_changes(module, trainability(cfg.model, cfg.train, index))
+    changes = _trainability_changes(module, trainability(cfg.model, cfg.freeze, index))
     if not changes:
         return train_engine
     per_param, steps = _capture(train_engine.ds_engine)
@@ -108,7 +113,7 @@ def apply_freeze_stage(cfg: RunConfig, train_engine: TrainEngine, index: int, gr
         param.optimizer_cohort = f"stage{index}"  # its own Adam step count
     scheduler_state = train_engine.scheduler.state_dict()
     train_engine.ds_engine.destroy()  # drop the old ZeRO gradient hooks before a new engine adds its own
-    new = build_engine(cfg, grad_accum, model=module)
+    new = build_engine(cfg, grad_accum, model=module, step_veto=step_veto)
     new.scheduler.load_state_dict(scheduler_state)
     _restore(new.ds_engine, per_param, steps)
     return new

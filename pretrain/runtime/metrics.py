@@ -20,9 +20,10 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 from megatron.core import parallel_state
 
-from pretrain.config import LoggingConfig, RunConfig
-from pretrain.run_dir import RunDir, config_hash, write_text_atomic
-from pretrain.run_records import EvalRecord, EventRecord, Record, TrainRecord
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import LoggingConfig
+from pretrain.run_files.run_dir import RunDir, config_hash, write_text_atomic
+from pretrain.run_files.run_records import EvalRecord, EventRecord, Record, TrainRecord
 from pretrain.runtime.accounting import device_peak_tflops, flops_per_token, peak_memory_bytes
 from pretrain.runtime.engine import TrainEngine
 

@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from pretrain.config import OptimizerConfig, RunConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import OptimizerConfig
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from pretrain.checkpoint.checkpointer import TrainState
-from pretrain.config import RunConfig
+from pretrain.config.run_config import RunConfig
 from pretrain.runtime.data import StepBatches, source_split
 from pretrain.runtime.engine import TrainEngine
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
@@ -26,20 +26,20 @@ class Evaluator:
         self.test_loss_by_source: Optional[dict[str, float]] = None
 
     def source_losses(self, train_engine: TrainEngine, split: str) -> Optional[dict[str, float]]:
-        """Each source's loss on its part of `split` (the same eval_iters batches every time), or None."""
+        """Each source's loss on its part of `split` (the same eval.iters batches every time), or None."""
         prefix = source_split(split, "")
         keys = [key for key in self.batches.datasets if key.startswith(prefix) and self.batches.has(key)]
         return {key.removeprefix(prefix): self.loss(train_engine, key) for key in keys} or None
 
     @torch.no_grad()
     def loss(self, train_engine: TrainEngine, split: str) -> Optional[float]:
-        """Mean loss over eval_iters global batches of `split` (None if the run has no such split)."""
+        """Mean loss over eval.iters global batches of `split` (None if the run has no such split)."""
         if not self.batches.has(split):
             return None
         ds_engine = train_engine.ds_engine
         ds_engine.eval()
         losses = []
-        for i in range(self.cfg.train.eval_iters):
+        for i in range(self.cfg.eval.iters):
             if train_engine.pipelined:
                 losses.append(ds_engine.eval_batch(data_iter=self.batches.pipeline_iter(split, i)).float())
             else:
@@ -58,7 +58,7 @@ class Evaluator:
             return False
         self.last_valid_loss, self.last_valid_loss_by_source = loss, self.source_losses(train_engine, "valid")
         self.logger.evaluation(state.step, "valid", loss, self.last_valid_loss_by_source)
-        early = self.cfg.train.early_stopping
+        early = self.cfg.eval.early_stopping
         if loss < state.best_valid_loss - early.min_delta:
             state.best_valid_loss, state.evals_without_improvement = loss, 0
         else:

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pretrain.supervision import STOP_SIGNALS, job_start_time
+from pretrain.job.supervision import STOP_SIGNALS, job_start_time
 
 
 class Preemption:

@@ -1,7 +1,7 @@
 """The training loop. Its components decide when they act: the metrics logger when to log, the
 evaluator when to validate and when early stopping stops, the checkpointer when to save, the step
 guard whether a spiking update is applied (stability.spike_skip), `stops` when a signal or the wall
-time ends the run; the hang watchdog watches the loop, and the run's faults (pretrain/faults.py, tests
+time ends the run; the hang watchdog watches the loop, and the run's faults (pretrain/job/faults.py, tests
 only) get one call before and one after each step.
 
 A run of skipped steps (non-finite, or spikes) of stability.max_consecutive_skips in a row stops the
@@ -31,19 +31,19 @@ from ora_megatron.config_io import to_dict
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.checkpoint.consolidate import imported_qk
-from pretrain.config import RunConfig
-from pretrain.faults import Faults
-from pretrain.run_dir import RunDir, step_of_tag
-from pretrain.run_records import Summary
+from pretrain.config.run_config import RunConfig
+from pretrain.job.faults import Faults
+from pretrain.job.supervision import attempt_number, job_restarts
+from pretrain.run_files.run_dir import RunDir, step_of_tag
+from pretrain.run_files.run_records import Summary
 from pretrain.runtime import accounting
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer, document_keys
-from pretrain.runtime.ds_internals import base_optimizer, step_grad_norm
+from pretrain.runtime.ds_internals import step_grad_norm
 from pretrain.runtime.engine import MegatronMPU, TrainEngine, build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
 from pretrain.runtime.loss import batch_loss, data_parallel_mean
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, layer_grad_norms, layer_grad_norms_due
-from pretrain.stability import Spike, SpikeWindow, StepGuard, guard_steps
-from pretrain.supervision import attempt_number, job_restarts
+from pretrain.runtime.step_guard import Spike, SpikeWindow, StepGuard
 from pretrain.training.evaluator import Evaluator
 from pretrain.training.stops import Preemption, WallClock
 from pretrain.training.watchdog import Watchdog
@@ -82,26 +82,27 @@ class Ending:
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: RunDir, grad_accum: int, watchdog: Optional[Watchdog] = None):
         self.cfg, self.run_dir, self.grad_accum, self.watchdog = cfg, run_dir, grad_accum, watchdog
+        self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
         datasets = build_datasets(cfg, build_tokenizer(cfg.data, cfg.model.vocab_size), run_dir.data_cache)
         self.state = TrainState()
         skip = cfg.stability.spike_skip
         self.window = SpikeWindow(skip.window, skip.sigma) if skip.enabled else None
         self.guard = StepGuard(self.window, self._step_grad_norm) if self.window else None
         self._step_loss: Optional[float] = None  # the step's data-parallel mean loss, when the guard needed it
-        self.train_engine: TrainEngine = build_engine(cfg, grad_accum)
+        # The step guard vetoes the torch optimizer's steps (also of an engine rebuilt by a freeze stage).
+        self.step_veto = self.guard.skip if self.guard else None
+        self.train_engine: TrainEngine = build_engine(cfg, grad_accum, step_veto=self.step_veto)
+        self.param_counts = accounting.parameter_counts(self.train_engine)
         # Imported Q/K (init_from.qk: imported) are the reference frozen ones are restored to.
         use_imported_qk(self.train_engine.module, imported_qk(run_dir))
-        self._guard_engine()
-        self.param_counts = accounting.parameter_counts(self.train_engine)
         self.grad_bytes: Optional[int] = None  # measured once per trainable set
         self.zero0_grad_norm: Optional[float] = None  # where DeepSpeed has none (TrainEngine.reports_no_grad_norm)
         self.layer_grad_norms: Optional[dict] = None  # of the last step, read before its optimizer step
-        self._enter_freeze_stage(cfg.train.freeze_stage_at(0))
+        self._enter_freeze_stage(cfg.freeze.stage_at(0, cfg.train.steps))
         rank, layout = dist.get_rank(), self.train_engine.layout
         order = BatchOrder(cfg.train.micro_batch_size, grad_accum, layout.data_rank(rank), layout.data)
         self.batches = StepBatches(datasets, order, prefetch=torch.cuda.is_available(),
                                    extra_keys=document_keys(cfg.data))
-        self.checkpointer = Checkpointer(run_dir, cfg.checkpoint)
         self.attempt = attempt_number()
         self.faults = Faults(cfg.faults, rank, self.attempt)
         self.restarts = job_restarts(run_dir)
@@ -109,16 +110,10 @@ class Trainer:
 
     def _enter_freeze_stage(self, index: int) -> None:
         if index != self.state.freeze_stage:
-            self.train_engine = apply_freeze_stage(self.cfg, self.train_engine, index, self.grad_accum)
-            self._guard_engine()
+            self.train_engine = apply_freeze_stage(self.cfg, self.train_engine, index, self.grad_accum, self.step_veto)
             self.state.freeze_stage = index
             self.param_counts = accounting.parameter_counts(self.train_engine)
             self.grad_bytes = None
-
-    def _guard_engine(self) -> None:
-        """The step guard vetoes the torch optimizer's steps (also of an engine rebuilt by a freeze stage)."""
-        if self.guard is not None:
-            guard_steps(base_optimizer(self.train_engine.ds_engine), self.guard.skip)
 
     def _step_grad_norm(self) -> Optional[float]:
         norm = step_grad_norm(self.train_engine.ds_engine)
@@ -246,7 +241,7 @@ class Trainer:
     def _step(self, timer: IterationTimer, clock: WallClock) -> StepOutcome:
         """Train one step and count it in the train state."""
         with self._aside(timer):  # an engine rebuild at a freeze-schedule boundary is no step's time
-            self._enter_freeze_stage(self.cfg.train.freeze_stage_at(self.state.step))
+            self._enter_freeze_stage(self.cfg.freeze.stage_at(self.state.step, self.cfg.train.steps))
         ds_engine = self.train_engine.ds_engine
         self.train_engine.scheduler.step(1)  # lr for this update (megatron's warmup starts at step 1)
         skipped_before = ds_engine.skipped_steps

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 
 class Watchdog:

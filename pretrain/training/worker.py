@@ -2,11 +2,12 @@
 
     python -m pretrain.training.worker --run-dir DIR    (how the training entry's torchrun spawn starts each rank)
 
-A worker reads the config as its start resolved it (pretrain/start.py: the run dir's config.yaml) and
+A worker reads the config as its start resolved it (pretrain/launch/start.py: the run dir's config.yaml) and
 nothing else of the config. Under a launcher other than the entry's own spawn (DeepSpeed's, torchrun,
-srun, mpirun) every rank runs the training entry, which hands it to `launched_worker`: rank 0 resolves
-the start before the ranks meet, so that the others read config.yaml only after it was written. Exit
-statuses: pretrain/exit_status.py.
+srun, mpirun) every rank runs the training entry, which hands it to `launched_worker` (pretrain/launch/
+start.py): rank 0 resolves the start before the ranks meet, so that the others read config.yaml only after
+it was written. A worker imports nothing of the supervisor (pretrain/launch/supervisor.py): what it knows
+of its job is pretrain/job/supervision.py's. Exit statuses: pretrain/job/exit_status.py.
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ora_megatron.config_io import ConfigError
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from pretrain.checkpoint.checkpointer import CheckpointSaveFailed
-from pretrain.config import RunConfig, read_run_config, validate_for_world
-from pretrain.environment import device_environment, git_revision, megatron_core_version
-from pretrain.exit_status import EXIT_CONFIG_ERROR, EXIT_HUNG, EXIT_TRAINING_STOPPED, EXIT_WALL_TIME
-from pretrain.run_dir import RunDir
-from pretrain.run_records import Summary
+from pretrain.config.run_config import RunConfig, read_run_config, validate_for_world
+from pretrain.job.environment import device_environment, git_revision, megatron_core_version
+from pretrain.job.exit_status import EXIT_HUNG, EXIT_TRAINING_STOPPED, EXIT_WALL_TIME
+from pretrain.job.supervision import die_with_launcher
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import Summary
 from pretrain.runtime.ds_config import deepspeed_config
-from pretrain.start import StartRefused, resolve
-from pretrain.supervision import die_with_launcher
 from pretrain.training.trainer import Trainer, TrainingStopped
 from pretrain.training.watchdog import Watchdog
 
@@ -42,20 +41,6 @@ def versions() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "megatron_core": megatron_core_version(), "git_revision": git_revision(),
             "cuda": torch.version.cuda, "hostname": platform.node()}
-
-
-def launched_worker(args: argparse.Namespace) -> int:
-    """A rank that an external launcher started (the training entry's arguments): rank 0 resolves the
-    start before the ranks meet, then every rank trains."""
-    die_with_launcher()
-    try:
-        start = resolve(args, under_launcher=True)
-    except (ConfigError, StartRefused) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    # Rank 0 adopted a handed-down lock as it resolved the start (start.lock); the others adopt it here.
-    with RunDir(start.run_dir).handed_down_lock():
-        return train_worker(RunDir(start.run_dir), start.cfg, start.finished if start.resolves else None)
 
 
 def train_worker(run_dir: RunDir, known: RunConfig, finished: Optional[str] = None) -> int:
@@ -76,7 +61,7 @@ def train_worker(run_dir: RunDir, known: RunConfig, finished: Optional[str] = No
         return 0
     cfg = read_run_config(run_dir)
     if torch.cuda.is_available():
-        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
+        torch.set_float32_matmul_precision("high" if cfg.speed.tf32 else "highest")
     grad_accum = validate_for_world(cfg, dist.get_world_size())
     if dist.get_rank() == 0:
         run_dir.write_run_files(deepspeed_config(cfg, grad_accum), versions())

@@ -15,8 +15,8 @@ from pretrain_runs import REPO, env, losses_by_step, run, write_config
 
 from pretrain.checkpoint import checkpointer as checkpoint
 from pretrain.checkpoint.checkpointer import Checkpointer, CheckpointSaveFailed, TrainState
-from pretrain.config import CheckpointConfig
-from pretrain.run_dir import RunDir
+from pretrain.config.loop_sections import CheckpointConfig
+from pretrain.run_files.run_dir import RunDir
 
 # What torch's zip writer raises when the disk fills up under it (torch.save onto a full tmpfs).
 TORCH_FULL_DISK = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")

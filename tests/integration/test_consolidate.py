@@ -23,8 +23,9 @@ from pretrain.checkpoint.consolidate import (
     consolidated_state_dict,
     pipeline_layer_file_stage,
 )
-from pretrain.config import FreezeStage, read_run_config
-from pretrain.run_dir import RunDir
+from pretrain.config.freeze import FreezeStage
+from pretrain.config.run_config import read_run_config
+from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
 
@@ -220,9 +221,9 @@ def test_trained_q_is_taken_from_the_checkpoint(runs, tmp_path):
     assert torch.equal(consolidate(tampered, cfg).state_dict[Q1], stored)
 
     cfg = read_run_config(RunDir(tampered))  # layer 1's Q trainable from step 3 of 6 on
-    cfg.train.freeze_schedule = [FreezeStage(0.0, "all", "all"), FreezeStage(0.5, [2], "all")]
+    cfg.freeze.schedule = [FreezeStage(0.0, "all", "all"), FreezeStage(0.5, [2], "all")]
     assert torch.equal(consolidate(tampered, cfg).state_dict[Q1], stored)
-    cfg.train.freeze_schedule = [FreezeStage(0.0, "all", "all"), FreezeStage(0.9, [2], "all")]  # not reached
+    cfg.freeze.schedule = [FreezeStage(0.0, "all", "all"), FreezeStage(0.9, [2], "all")]  # not reached
     with pytest.raises(CheckpointMismatch):
         consolidate(tampered, cfg)
 

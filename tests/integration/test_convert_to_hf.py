@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from ora_megatron.families import gpt2_hf, llama_hf
 from pretrain.export.convert_to_hf import ExportError, export, main
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
 
@@ -145,7 +145,7 @@ def test_model_card_names_frozen_qk(exports):
 @pytest.mark.parametrize("attention", ["synthesizer_random", "synthesizer_factorized", "fixed_random_attention"])
 def test_variants_without_hf_architecture_are_refused_before_writing(tmp_path, attention):
     from ora_megatron.config_io import to_dict
-    from pretrain.config import load_run_config
+    from pretrain.config.run_config import load_run_config
 
     config = write_config(tmp_path)
     run_dir = RunDir(tmp_path / "run")

@@ -11,10 +11,10 @@ from network_guard import no_network
 from pretrain_runs import write_config
 
 from ora_megatron.config_io import to_dict
-from pretrain.config import load_run_config
+from pretrain.config.run_config import load_run_config
 from pretrain.export.convert_to_hf import main
 from pretrain.export.export_record import EXPORT_RECORD
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ import pytest
 from distributed import free_port
 from pretrain_runs import REPO, command, env, keep_environment, write_config
 
-from pretrain import pretrain_ora, start
-from pretrain.config import load_run_config
-from pretrain.run_dir import RunDir
+from pretrain import pretrain_ora
+from pretrain.checkpoint.resume_check import nothing_to_train
+from pretrain.config.run_config import load_run_config
+from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed  # the session's reference run trains once
 
@@ -83,10 +84,10 @@ def test_an_early_stopped_run_is_finished_until_its_early_stopping_changes(finis
     (finished / "config.yaml").write_text((finished / "config.yaml").read_text().replace(
         "early_stopping:\n    enabled: false", "early_stopping:\n    enabled: true"))
     before = _snapshot(finished)
-    assert _main(tmp_path, finished, ["train.steps=12", "train.early_stopping.enabled=true"]) == 0
-    assert (f"run dir {finished}: stopped early at step 6 (train.early_stopping), nothing to train"
+    assert _main(tmp_path, finished, ["train.steps=12", "eval.early_stopping.enabled=true"]) == 0
+    assert (f"run dir {finished}: stopped early at step 6 (eval.early_stopping), nothing to train"
             in capsys.readouterr().err)
     assert _snapshot(finished) == before
-    cfg = load_run_config(str(config), ["train.steps=12", "train.early_stopping.enabled=true",
-                                        "train.early_stopping.patience=20"])
-    assert start.nothing_to_train(RunDir(finished), "step00000006", cfg.train) is None
+    cfg = load_run_config(str(config), ["train.steps=12", "eval.early_stopping.enabled=true",
+                                        "eval.early_stopping.patience=20"])
+    assert nothing_to_train(RunDir(finished), "step00000006", cfg) is None

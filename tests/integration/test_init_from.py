@@ -17,17 +17,11 @@ from ora_megatron.parallel import destroy_distributed
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.consolidate import consolidated_state_dict, load_trained_model, tp1_parallel_state
 from pretrain.checkpoint.import_plan import plan_import
-from pretrain.config import (
-    DeepSpeedConfig,
-    ParallelConfig,
-    RunConfig,
-    load_run_config,
-    read_run_config,
-    validate_for_world,
-)
+from pretrain.config.run_config import ParallelConfig, RunConfig, load_run_config, read_run_config, validate_for_world
+from pretrain.config.runtime_sections import DeepSpeedConfig
 from pretrain.export.convert_to_hf import export
 from pretrain.paths import REPO
-from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from pretrain_runs import REPO, env, write_config
 
-from pretrain.config import load_run_config
-from pretrain.environment import HUB_OFFLINE_ENVIRONMENT
-from pretrain.run_dir import RunDir
+from pretrain.config.run_config import load_run_config
+from pretrain.job.environment import HUB_OFFLINE_ENVIRONMENT
+from pretrain.run_files.run_dir import RunDir
 from pretrain.runtime.metrics import wandb_run_id
 
 # Runs `python -c AUDITED LOG MODULE ARGS...`: MODULE.main(ARGS) with every host name lookup and

@@ -26,7 +26,7 @@ from pretrain_runs import (
 from processes import children_of, kill_job, trainings_preempted_at, wait_for_step, workers_of
 
 from pretrain import pretrain_ora
-from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag
 
 pytestmark = pytest.mark.distributed
 
@@ -229,7 +229,7 @@ PREEMPTED_ON_A_FINAL_STEP = {
     "final-step": (["train.steps=5"], 5, ["step00000003", "step00000005"]),
     # early stopping stops at step 4 (an eval every step; after step 1 no eval improves by 1.0)
     "early-stop-step": (["train.steps=9", "train.eval_interval=1",
-                         "train.early_stopping={enabled: true, patience: 3, min_delta: 1.0}"],
+                         "eval.early_stopping={enabled: true, patience: 3, min_delta: 1.0}"],
                         4, ["step00000003", "step00000004"]),
 }
 

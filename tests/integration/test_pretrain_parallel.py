@@ -43,7 +43,7 @@ def test_parameter_counts_are_global_in_every_layout(reference, layout_runs, lay
 
 
 def test_activation_checkpointing_changes_no_loss(reference, trained_runs):
-    run_dir = trained_runs.trained(["train.activation_checkpointing=true"])
+    run_dir = trained_runs.trained(["speed.activation_checkpointing=true"])
     assert losses_by_step(run_dir) == losses_by_step(reference)
 
 

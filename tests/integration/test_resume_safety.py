@@ -12,8 +12,8 @@ from pretrain_runs import LAYOUTS, arguments, forbid_workers, records, run
 from ora_megatron.config_io import to_dict
 from pretrain import pretrain_ora
 from pretrain.checkpoint.resume_check import POLICIES, TOPOLOGY, TOPOLOGY_KEYS, UNCLASSIFIED, flatten, policy_of
-from pretrain.config import RunConfig
-from pretrain.run_dir import RunDir
+from pretrain.config.run_config import RunConfig
+from pretrain.run_files.run_dir import RunDir
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""One job at a time per run dir (pretrain/run_dir.py's lock): a second job is refused with status 2
+"""One job at a time per run dir (pretrain/run_files/run_dir.py's lock): a second job is refused with status 2
 naming the first and every process that holds the lock, a killed holder never blocks (what is left of
 it gets a bounded wait), the lock is handed down to the processes a job starts (torchrun's workers, a
 sweep's run) and no further, and the sweep's dry run decides as a real sweep does."""
@@ -19,16 +19,17 @@ from pretrain_runs import REPO, arguments, command, env, forbid_workers, records
 from processes import workers_of
 
 from pretrain import pretrain_ora
-from pretrain import run_dir as run_dir_module
 from pretrain.research.sweep.__main__ import main as sweep_main
 from pretrain.research.sweep.runner import DoneSincePlanned, start
 from pretrain.research.sweep.spec import LOG_NAME, Run, expand, load_spec
 from pretrain.research.sweep.state import Task, run_state, started_record
-from pretrain.run_dir import LOCK_ON_STDIN, RunDir, RunDirBusy, config_hash
-from pretrain.run_records import Summary
+from pretrain.run_files import run_dir as run_dir_module
+from pretrain.run_files.lock import LOCK_ON_STDIN, RunDirBusy
+from pretrain.run_files.run_dir import RunDir, config_hash
+from pretrain.run_files.run_records import Summary
 
 # Takes (or adopts) a run dir's lock as a job does, says so, and keeps it until killed.
-HOLDER = ("import sys, time\nfrom pretrain.run_dir import RunDir\n"
+HOLDER = ("import sys, time\nfrom pretrain.run_files.run_dir import RunDir\n"
           "lock = RunDir(sys.argv[1]).acquire_lock()\nprint('held', flush=True)\ntime.sleep(600)\n")
 
 
@@ -168,7 +169,7 @@ def test_a_straggler_that_outlives_the_wait_is_named(tmp_path, monkeypatch):
 
 
 # A rank as the entry's spawn starts it: holds the handed-down lock, starts a helper and forks a child.
-RANK = ("import os, subprocess, sys, time\nfrom pretrain.run_dir import RunDir\n"
+RANK = ("import os, subprocess, sys, time\nfrom pretrain.run_files.run_dir import RunDir\n"
         "with RunDir(sys.argv[1]).handed_down_lock():\n"
         "    helper = subprocess.Popen(['sleep', '600'])\n"
         "    who = 'rank' if os.fork() else 'forked'\n"  # each says so once fork() has returned in it

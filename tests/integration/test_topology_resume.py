@@ -32,8 +32,8 @@ from pretrain_runs import (
 
 from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
-from pretrain.config import read_run_config
-from pretrain.run_dir import RunDir, checkpoint_tag, step_of_tag
+from pretrain.config.run_config import read_run_config
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag, step_of_tag
 
 pytestmark = pytest.mark.distributed
 

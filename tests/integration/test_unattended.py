@@ -27,7 +27,7 @@ from pretrain_runs import (
 from processes import trainings_in_one_process, wait_for_step
 from slurm_stand_ins import one_node_job
 
-from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag
 
 pytestmark = pytest.mark.distributed
 

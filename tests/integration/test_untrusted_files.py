@@ -26,9 +26,9 @@ from pretrain.checkpoint import reshard
 from pretrain.checkpoint.checkpointer import Checkpointer, _rng_state, _set_rng_state
 from pretrain.checkpoint.consolidate import consolidated_state_dict
 from pretrain.checkpoint.unpickling import UnsafeCheckpointFile, safe_load
-from pretrain.config import read_run_config, validate_for_world
+from pretrain.config.run_config import read_run_config, validate_for_world
 from pretrain.export import convert_to_hf
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 from pretrain.runtime.engine import build_engine
 
 MODEL_STATES = "mp_rank_00_model_states.pt"

@@ -179,7 +179,7 @@ def test_dockerignore_keeps_local_state_and_secrets_out():
                  "pretrain/__pycache__/config.cpython-312.pyc", "ora.egg-info/PKG-INFO", ".pytest_cache/v",
                  ".env", "launch/.env"):
         assert dockerignore_excludes(path), path
-    assert not dockerignore_excludes("pretrain/run_dir.py")
+    assert not dockerignore_excludes("pretrain/run_files/run_dir.py")
     assert not dockerignore_excludes("launch/environment.sh")
 
 

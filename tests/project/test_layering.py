@@ -15,22 +15,15 @@ from pretrain_runs import REPO
 # Lowest first. Units on one floor are siblings: neither imports the other.
 FLOORS = [
     ("ora_megatron", "data_tools"),  # the model; corpus tooling (the training side reads its manifest)
-    # The repository's files, exit statuses, the parallel layout, the stability section and its step guard,
-    # which extras a command needs, who holds a lock.
-    ("pretrain.paths", "pretrain.exit_status", "pretrain.parallel_layout", "pretrain.stability", "pretrain.extras",
-     "pretrain.lock_holders"),
-    ("pretrain.run_records",),  # what a run dir holds, typed
-    ("pretrain.run_dir",),
-    ("pretrain.supervision",),  # launching, watching and restarting a job's ranks
-    ("pretrain.faults", "pretrain.init_from"),  # config sections beside what reads them
+    ("pretrain.paths", "pretrain.run_files"),  # the repository's files; a run's files and records
+    ("pretrain.job",),  # what a rank knows of its job: attempt, stop signals, exit statuses, layout, faults
     ("pretrain.config",),  # the typed run config, assembled from its sections
-    ("pretrain.runtime", "pretrain.environment"),  # engine, data, loss, optimizer, metrics, freeze schedules
+    ("pretrain.runtime",),  # engine, data, loss, optimizer, metrics, freeze schedules
     ("pretrain.checkpoint",),  # save, resume, reshard, consolidate, weights in
-    ("pretrain.start", "pretrain.export"),  # a run's start resolved before workers; checkpoints out
-    ("pretrain.training",),  # the worker, the loop and evaluation
-    ("pretrain.launch",),  # the entry's own spawn; launch/pretrain_ora.sh around DeepSpeed's launcher
+    ("pretrain.training", "pretrain.export"),  # the worker, the loop and evaluation; checkpoints out
+    ("pretrain.launch",),  # a job's start, its supervisor and launchers (the entry's spawn, DeepSpeed's)
     ("pretrain.pretrain_ora",),  # the entry point
-    ("pretrain.research", "pretrain.quickstart", "pretrain.config_docs"),
+    ("pretrain.research", "pretrain.quickstart"),
 ]
 PACKAGES = ("ora_megatron", "data_tools", "pretrain")
 

@@ -10,7 +10,9 @@ from typing import Iterator
 from model_fixtures import tiny_model, tokens
 
 from ora_megatron.parallel import destroy_distributed, init_distributed
-from pretrain.config import LoggingConfig, RunConfig, TrainConfig
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import LoggingConfig
 from pretrain.runtime.loss import lm_loss
 
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain import pretrain_ora, start
+from pretrain import pretrain_ora
+from pretrain.launch import start
 from pretrain.paths import ENTRY_MODULE, REPO
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 TINY_RUN = """
 model:
@@ -24,7 +25,8 @@ model:
   hidden_dropout: 0.0
   attention_dropout: 0.0
   attention: {type: ora}
-train: {micro_batch_size: 4, global_batch_size: 8, steps: 6, eval_interval: 3, eval_iters: 2}
+train: {micro_batch_size: 4, global_batch_size: 8, steps: 6, eval_interval: 3}
+eval: {iters: 2}
 optimizer: {lr: 1.0e-3, warmup_steps: 2}
 data: {mock: true}
 deepspeed: {zero_stage: 0}
@@ -56,7 +58,7 @@ LAYOUT_WEIGHT_ATOL = 5e-5
 # TINY_RUN under the partial-frozen schedule on two processes (ZeRO-1): 60 steps (a few seconds, two
 # engine rebuilds) that tests kill, hang and resume, against this training uninterrupted (the run
 # cache trains it once).
-PARTIAL_FROZEN = ["train.steps=60", "train.freeze_schedule=partial_frozen", "deepspeed.zero_stage=1"]
+PARTIAL_FROZEN = ["train.steps=60", "freeze.schedule=partial_frozen", "deepspeed.zero_stage=1"]
 # Runs stopped by a signal or a fault long before their last step.
 LONG = "train.steps=1000"
 
@@ -95,8 +97,8 @@ def forbid_workers(monkeypatch) -> None:
 
     keep_environment(monkeypatch)
     monkeypatch.setattr(pretrain_ora, "spawn_workers", started)
-    for name in ("train_worker", "launched_worker"):
-        monkeypatch.setattr(worker, name, started)
+    monkeypatch.setattr(pretrain_ora, "launched_worker", started)
+    monkeypatch.setattr(worker, "train_worker", started)
 
 
 def env() -> dict:

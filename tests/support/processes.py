@@ -71,8 +71,8 @@ def trainings_preempted_at(rank: int, config_path: str, trainings: list) -> list
     (imports, process group) is most of a tiny training's time."""
     from deepspeed import DeepSpeedEngine
 
-    from pretrain.config import load_run_config, validate_for_world
-    from pretrain.run_dir import RunDir
+    from pretrain.config.run_config import load_run_config, validate_for_world
+    from pretrain.run_files.run_dir import RunDir
     from pretrain.training.trainer import Trainer
 
     saved, sigterm_step = [], None  # the training's under way (the patches read them when called)
@@ -104,8 +104,8 @@ def trainings_in_one_process(rank: int, config_path: str, trainings: list) -> li
     config's faults stop it; the next resumes), as the entry's workers would. Returns, for each: the
     summary of every segment (or the TrainingStopped's), the 0-based data positions the training steps
     read, in order, and the train records."""
-    from pretrain.config import load_run_config, validate_for_world
-    from pretrain.run_dir import RunDir
+    from pretrain.config.run_config import load_run_config, validate_for_world
+    from pretrain.run_files.run_dir import RunDir
     from pretrain.runtime.data import StepBatches
     from pretrain.training.trainer import Trainer, TrainingStopped
 

@@ -1,4 +1,4 @@
-"""A Supervisor (pretrain/supervision.py) over stand-in attempts, in a process of its own (it installs
+"""A Supervisor (pretrain/launch/supervisor.py) over stand-in attempts, in a process of its own (it installs
 signal handlers, becomes a subreaper and kills what it leaves behind, none of which a test process may
 undergo):
 
@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pretrain.run_dir import RunDir, checkpoint_tag  # noqa: E402
-from pretrain.run_records import TrainRecord  # noqa: E402
-from pretrain.supervision import Attempt, RestartPolicy, Supervisor, become_subreaper  # noqa: E402
+from pretrain.launch.supervisor import Attempt, RestartPolicy, Supervisor, become_subreaper  # noqa: E402
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag  # noqa: E402
+from pretrain.run_files.run_records import TrainRecord  # noqa: E402
 
 WORKERS = {
     "sleep": "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pretrain.run_dir import RunDir
-from pretrain.run_records import EvalRecord, ExperimentRecord, Summary, TrainRecord
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import EvalRecord, ExperimentRecord, Summary, TrainRecord
 
 
 def train_record(step: int, step_time_s: float = 0.1, grad_norm: float = 0.5, peak_mem_bytes: int = 2**30,

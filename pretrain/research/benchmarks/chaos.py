@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pretrain.paths import REPO, preset_path
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 SCHEMA = "ora-chaos/1"
 PROCESS_KINDS = ("kill", "stop", "preempt")

@@ -67,7 +67,7 @@ from ora_megatron.config_io import ConfigError
 from ora_megatron.model_config import AttentionType, ModelConfig
 from ora_megatron.orthogonal import METHODS
 from ora_megatron.summary import train_flops_per_token
-from pretrain.config import RunConfig, load_run_config, validate_for_world
+from pretrain.config.run_config import RunConfig, load_run_config, validate_for_world
 from pretrain.research.benchmarks.outputs import publish, rerun_command
 from pretrain.research.memory_plan import (
     config_path,  # a file, or a preset name: resolved as `python -m pretrain.research.memory_plan` does

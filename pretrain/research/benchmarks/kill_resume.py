@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pretrain.lock_holders import flock_holders
 from pretrain.paths import REPO
 from pretrain.research.benchmarks.chaos import entry_command, finished, run_overrides
 from pretrain.research.benchmarks.outputs import publish, rerun_command
-from pretrain.run_dir import RunDir
+from pretrain.run_files.lock import flock_holders
+from pretrain.run_files.run_dir import RunDir
 
 SCHEMA = "ora-kill-resume/1"
 REFUSAL = "is in use"  # run_dir.RunDir's refusal, which the entry prints and ends with status 2

@@ -11,7 +11,7 @@ gradients w.r.t. hidden and weight, from the same inputs:
   `default_chunk_path` picks on this device, named in the table);
 - `eager_chunks`, `compiled_chunks`: the same with each chunk path forced; `--chunk-mib` sizes the
   compiled path's chunk budget (LOGITS_CHUNK_BYTES, one case per size);
-- `whole_compiled`: the shipped call under torch.compile as a whole, as `train.compile` wraps the
+- `whole_compiled`: the shipped call under torch.compile as a whole, as `speed.compile` wraps the
   model's `fused_loss` (the chunk loop unrolled into one graph);
 - `logits_ce_eager`, `logits_ce_compiled`: the whole logits and F.cross_entropy on them in fp32,
   eager and under torch.compile (the compiled one holds [tokens × V] logits: the speed to match);

@@ -50,7 +50,7 @@ import numpy as np
 import yaml
 
 from pretrain.paths import ENTRY_MODULE, PRESETS, REPO
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 BLOCK, BATCH = 64, 12
 TOKENS_PER_ITER = BLOCK * BATCH

@@ -35,7 +35,7 @@ import torch
 
 from ora_megatron.model_config import ModelConfig
 from ora_megatron.orthogonal import METHODS, frozen_projection
-from pretrain.config import load_run_config
+from pretrain.config.run_config import load_run_config
 from pretrain.paths import preset_path
 from pretrain.research.benchmarks.outputs import publish, rerun_command
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Sequence
 
-from pretrain.config import read_run_config
+from pretrain.config.run_config import read_run_config
 from pretrain.research.report.latex import MARK_KEY
 from pretrain.research.report.runs import Evaluation, RunMeasures, SweepRun
 from pretrain.research.report.stats import FITS, Trend, add_holm, compare_paired, fitted_value

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pretrain.extras import needs_extra
+from pretrain.job.extras import needs_extra
 from pretrain.research.report.runs import RunMeasures
 from pretrain.research.report.stats import Trend, fitted_value, spread
 

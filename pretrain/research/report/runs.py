@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pretrain.config import read_run_config
-from pretrain.run_dir import RunDir
-from pretrain.run_records import EvalRecord, ExperimentRecord, Record, TrainRecord
+from pretrain.config.run_config import read_run_config
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import EvalRecord, ExperimentRecord, Record, TrainRecord
 
 GIB = 2**30
 

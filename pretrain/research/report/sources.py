@@ -1,5 +1,5 @@
 """Per data source: each arm's final validation loss on every source of its manifest, and its difference
-from the reference arm, from the run summaries' `final_valid_loss_by_source` (train.eval_per_source)."""
+from the reference arm, from the run summaries' `final_valid_loss_by_source` (eval.per_source)."""
 
 from __future__ import annotations
 

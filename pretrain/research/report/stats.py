@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from pretrain.extras import needs_extra
+from pretrain.job.extras import needs_extra
 
 with needs_extra("research"):
     from scipy import stats

@@ -41,9 +41,9 @@ list (`gaps.x`), equal suffixes (`gaps.reference`), or no shape with both arms (
 
 Run dirs are OUT/<arm>/seed<seed>, ordered seed-major (all arms of the first seed first, so the
 first finished runs already form a paired comparison). Each holds the run's own files, `sweep.log`
-(the run's stdout and stderr, appended per attempt), its lock `run.lock` (pretrain.run_dir: the one
+(the run's stdout and stderr, appended per attempt), its lock `run.lock` (pretrain.run_files.run_dir: the one
 every job in a run dir takes, by which pretrain_ora.py refuses a second job) and `experiment.yaml`
-(pretrain.run_dir.ExperimentRecord: "running" when started, "finished" or "failed" when it ended).
+(pretrain.run_files.run_dir.ExperimentRecord: "running" when started, "finished" or "failed" when it ended).
 A run's state, read back from them:
 
     running      its lock is held: a sweep, the run or any other job is alive in it   left alone
@@ -54,7 +54,7 @@ A run's state, read back from them:
     pending      nothing yet                                             started
 
 The sweep takes a run's lock before it records and starts the run, and hands it to the run's
-process (pretrain.run_dir.RunDirLock: as its stdin), which holds it to its end: a run outlives a
+process (pretrain.run_files.lock.RunDirLock: as its stdin), which holds it to its end: a run outlives a
 sweep killed with SIGKILL without being started twice, and if it completes alone the next
 invocation records it as finished. Two invocations on one sweep dir share its runs: each reads a
 run's state again once it holds the lock, and skips a run or evaluation the other finished since

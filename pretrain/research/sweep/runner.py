@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from pretrain.environment import git_revision
+from pretrain.job.environment import git_revision
 from pretrain.research.sweep.spec import Run, SweepError
 from pretrain.research.sweep.state import (
     Task,
@@ -27,8 +27,8 @@ from pretrain.research.sweep.state import (
     run_state,
     started_record,
 )
-from pretrain.run_dir import LOCK_ON_STDIN, RunDirBusy, RunDirLock
-from pretrain.run_records import ExperimentRecord
+from pretrain.run_files.lock import LOCK_ON_STDIN, RunDirBusy, RunDirLock
+from pretrain.run_files.run_records import ExperimentRecord
 
 POLL_S = 0.2
 

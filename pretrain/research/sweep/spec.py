@@ -12,9 +12,9 @@ from typing import Any, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, check, flow_yaml, from_dict, load_yaml
-from pretrain.config import RunConfig, load_run_config, validate_for_world
+from pretrain.config.run_config import RunConfig, load_run_config, validate_for_world
 from pretrain.paths import ENTRY_MODULE, preset_path
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 DESIGN_SEEDS = [42, 2024, 12345, 98765, 555666]  # the research plan's seeds (docs/research.md)
 SEED_KEYS = ("model.seed", "data.seed")

@@ -15,8 +15,8 @@ from typing import Optional
 
 from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.research.sweep.spec import Run, SweepError
-from pretrain.run_dir import RunDir, config_hash
-from pretrain.run_records import ExperimentRecord
+from pretrain.run_files.run_dir import RunDir, config_hash
+from pretrain.run_files.run_records import ExperimentRecord
 
 LOG_TAIL_LINES = 40
 

@@ -18,7 +18,8 @@ from one_process import tiny_run
 from data_tools import probe_tasks
 from data_tools.manifest import blend_from_manifest
 from data_tools.probe_tasks import BOS, EOD, PAD, QUERY, SEP, ProbeOptions, generate, task_for
-from pretrain.config import DataConfig, TrainConfig
+from pretrain.config.loop_sections import EvalConfig, TrainConfig
+from pretrain.config.runtime_sections import DataConfig
 from pretrain.research import probes
 from pretrain.research.probes import AnswerCounts
 from pretrain.runtime import data
@@ -118,7 +119,7 @@ def test_training_samples_are_whole_examples(written, tmp_path):
     are one example (megatron-core feeds <pad> as id 0) and its labels that example shifted by one,
     then the next example's <s>; <pad> labels carry no loss."""
     options, _ = written
-    cfg = tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=50, eval_iters=2),
+    cfg = tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=50), eval=EvalConfig(iters=2),
                    data=DataConfig(manifest=options.out))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_length=SEQ, vocab_size=VOCAB))
     data.check_data(cfg)

@@ -419,7 +419,7 @@ def _hadamard_qkv_linear(tp: int, groups: int):
 
 @pytest.mark.parametrize("tp,groups", [(1, 8), (2, 4)])
 def test_traced_hadamard_qkv_is_the_fused_kernel(tp, groups):
-    """The plain-ops form a compiled layer traces (train.compile) gives the hand-written kernel's output,
+    """The plain-ops form a compiled layer traces (speed.compile) gives the hand-written kernel's output,
     input gradient and V weight and bias gradients, with GQA and on a TP rank."""
     from ora_megatron.attention import _HadamardQKV
 

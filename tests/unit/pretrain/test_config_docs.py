@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ora_megatron.config_io import ConfigError, load_yaml, to_dict
-from pretrain.config import RunConfig, load_run_config
-from pretrain.config_docs import DOC_PATH, REGENERATE, main, render, sections, undocumented
+from pretrain.config.docs import DOC_PATH, REGENERATE, main, render, sections, undocumented
+from pretrain.config.run_config import RunConfig, load_run_config
 from pretrain.paths import PRESETS
 
 CONFIGS = PRESETS
@@ -30,8 +30,8 @@ def test_docs_are_current():
 
 def test_every_section_is_documented():
     names = set(sections(RunConfig).values())
-    assert {"model", "model.attention", "parallel", "train", "train.early_stopping",
-            "train.freeze_schedule entries", "optimizer", "data", "data.blend entries", "deepspeed",
+    assert {"model", "model.attention", "parallel", "train", "eval", "eval.early_stopping", "speed", "freeze",
+            "freeze.schedule entries", "optimizer", "data", "data.blend entries", "deepspeed",
             "logging", "checkpoint"} <= names
     text = render(RunConfig)
     for name in names - {""}:
@@ -88,8 +88,8 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
     train = cfg["train"]
     # Global batch 128 everywhere; the micro-batch is each recipe's (README: 1, 2 and 4 nodes, no accumulation).
     assert (train["micro_batch_size"], train["global_batch_size"]) == ({"small": 16}.get(name, 8), 128)
-    assert (train["log_interval"], train["eval_interval"], train["eval_iters"]) == (10, 1000, 50)
-    assert train["early_stopping"] == {"enabled": False, "patience": 10, "min_delta": 0.001}
+    assert (train["log_interval"], train["eval_interval"], cfg["eval"]["iters"]) == (10, 1000, 50)
+    assert cfg["eval"]["early_stopping"] == {"enabled": False, "patience": 10, "min_delta": 0.001}
     assert (opt["decay_style"], opt["restart_cycle_steps"], opt["restart_peak_decay"], opt["decay_power"]) == schedule
     assert (opt["decay_steps"], opt["beta1"], opt["beta2"], opt["eps"]) == (None, 0.9, 0.98, 1e-8)
     assert (opt["weight_decay"], opt["clip_grad"]) == (0.01, 1.0)

@@ -2,7 +2,7 @@
 
 import subprocess
 
-from pretrain import environment
+from pretrain.job import environment
 
 
 def git(cwd, *args):

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pretrain.extras import needs_extra
+from pretrain.job.extras import needs_extra
 
 
 def test_a_missing_module_ends_the_program_naming_the_extra(monkeypatch):

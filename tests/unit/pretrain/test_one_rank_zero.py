@@ -10,7 +10,8 @@ import pytest
 from pretrain_runs import arguments, keep_environment, write_config
 
 from pretrain import pretrain_ora
-from pretrain.config import DeepSpeedConfig, ParallelConfig, RunConfig, for_world, read_run_config
+from pretrain.config.run_config import ParallelConfig, RunConfig, for_world, read_run_config
+from pretrain.config.runtime_sections import DeepSpeedConfig
 from pretrain.training import worker
 
 

@@ -8,7 +8,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core.parallel_state import RankGenerator
 
 from ora_megatron.model_config import ParallelConfig
-from pretrain.parallel_layout import ParallelLayout
+from pretrain.job.parallel_layout import ParallelLayout
 
 
 @pytest.mark.parametrize("world_size, tensor, pipeline", [(1, 1, 1), (8, 2, 2), (12, 2, 3), (6, 3, 1), (8, 1, 4)])

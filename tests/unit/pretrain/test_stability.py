@@ -1,4 +1,4 @@
-"""Skip-step (pretrain/stability.py): OLMo-core's rule, its window as checkpointed state, and the
+"""Skip-step (pretrain/runtime/step_guard.py): OLMo-core's rule, its window as checkpointed state, and the
 guard that keeps a spiking update from the torch optimizer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pretrain.stability import Spike, SpikeWindow, StepGuard, guard_steps
+from pretrain.runtime.step_guard import Spike, SpikeWindow, StepGuard, guard_steps
 
 STEADY = [2.0, 2.1, 1.9, 2.0, 2.05, 1.95, 2.0, 2.1]  # mean 2.0125, sample std ~0.0641
 

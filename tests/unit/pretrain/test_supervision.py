@@ -1,4 +1,4 @@
-"""A job that needs no one watching (pretrain/supervision.py): which failures are restarted, the records
+"""A job that needs no one watching (pretrain/launch/supervisor.py): which failures are restarted, the records
 each failure leaves, stops on request, hangs reported by a watchdog; and the watchdog itself
 (pretrain/training/watchdog.py). The supervisor runs over stand-in attempts in a process of its own
 (tests/support/supervised.py); real trainings are in tests/integration/test_unattended.py."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from pretrain_runs import REPO
 
-from pretrain.run_dir import RunDir
-from pretrain.supervision import RestartPolicy, describe_status
+from pretrain.launch.supervisor import RestartPolicy, describe_status
+from pretrain.run_files.run_dir import RunDir
 from pretrain.training.watchdog import Watchdog
 
 FINAL = {2: "refused", 3: "the run stopped itself"}
@@ -40,6 +40,16 @@ def test_a_crash_loop_stops_after_max_restarts_failures_in_a_row_without_progres
     assert all(policy.decide(1, progressed=True) is None for _ in range(50))
     assert policy.backoff() == 1.0
     assert RestartPolicy(0, 1.0, FINAL).decide(1, progressed=True) == "supervision.max_restarts is 0"
+
+
+@pytest.mark.slow
+def test_a_worker_never_loads_the_supervisor():
+    """Every rank imports the worker: what it knows of its job comes from pretrain/job/, and the supervisor
+    (its process-tree scans, its restarts) stays the launching process's."""
+    probe = ("import sys, pretrain.training.worker\n"
+             "print(sorted(m for m in sys.modules if m.startswith('pretrain.launch')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_statuses_are_described_by_name():

@@ -17,8 +17,8 @@ from pretrain import quickstart
 from pretrain.export.generate import main as generate_main
 from pretrain.research import memory_plan as plan
 from pretrain.research.report.__main__ import main as report_main
-from pretrain.run_dir import RunDir
-from pretrain.run_records import EvalRecord, TrainRecord
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import EvalRecord, TrainRecord
 
 # ---------------------------------------------------------------------------- pretrain.export.generate
 POSITIONS = 16

@@ -15,8 +15,8 @@ from one_process import optimizer_steps, tiny_run
 from ora_megatron.attention import RandomQKVLinear
 from pretrain.checkpoint import checkpointer as checkpointer_module
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState, restore_frozen_qk
-from pretrain.config import CheckpointConfig
-from pretrain.run_dir import RunDir, checkpoint_tag
+from pretrain.config.loop_sections import CheckpointConfig
+from pretrain.run_files.run_dir import RunDir, checkpoint_tag
 from pretrain.runtime.engine import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank

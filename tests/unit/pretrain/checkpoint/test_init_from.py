@@ -19,8 +19,9 @@ from pretrain import pretrain_ora
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.consolidate import reference_model, tp1_parallel_state
 from pretrain.checkpoint.import_plan import plan_import
-from pretrain.config import DeepSpeedConfig, LoggingConfig, RunConfig
-from pretrain.init_from import ImportRefused, InitFromConfig
+from pretrain.config.init_from import ImportRefused, InitFromConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import DeepSpeedConfig, LoggingConfig
 
 VOCAB, HIDDEN, HEADS, LAYERS = 96, 32, 4, 2
 

@@ -14,11 +14,11 @@ from network_guard import no_network
 
 from ora_megatron.model_config import AttentionConfig, ModelConfig
 from pretrain.checkpoint.consolidate import MODULE, Consolidated, reference_model
-from pretrain.config import RunConfig
-from pretrain.environment import HUB_OFFLINE_ENVIRONMENT
+from pretrain.config.run_config import RunConfig
 from pretrain.export.convert_to_hf import write_export
 from pretrain.export.evaluate import main
 from pretrain.export.export_record import write_export_record
+from pretrain.job.environment import HUB_OFFLINE_ENVIRONMENT
 
 WORDS = "the cat dog sat ran on a mat log red blue big small and it was".split()
 TASK = "ora_tiny_choice"

@@ -25,7 +25,7 @@ from ora_megatron.config_io import ConfigError
 from pretrain.launch import launcher
 from pretrain.launch.launcher import main
 from pretrain.pretrain_ora import adopt_scheduler_ranks
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 LAUNCH = REPO / "launch" / "pretrain_ora.sh"
 SBATCH = REPO / "launch" / "slurm" / "pretrain_ora.sbatch"

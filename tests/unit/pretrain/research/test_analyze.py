@@ -25,7 +25,7 @@ from pretrain.research.analyze import (
     qk_head_weights,
     row_entropy,
 )
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pretrain.faults import FaultInjection
+from pretrain.job.faults import FaultInjection
 from pretrain.research.benchmarks.chaos import (
     Fault,
     base_checkpoint_bytes,

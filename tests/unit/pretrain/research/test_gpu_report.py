@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pretrain.research
-from pretrain.config import load_run_config, validate_for_world
+from pretrain.config.run_config import load_run_config, validate_for_world
 from pretrain.paths import preset_path
 from pretrain.research import gpu_report, gpu_report_build
 

@@ -14,7 +14,7 @@ from distributed import run_on_ranks
 
 from ora_megatron.parallel import destroy_distributed, init_distributed
 from ora_megatron.stages import build_staged_gpt
-from pretrain.config import load_run_config
+from pretrain.config.run_config import load_run_config
 from pretrain.paths import REPO
 from pretrain.research import memory_model, memory_plan
 
@@ -272,7 +272,7 @@ def test_activation_peak_on_gpu(one_process, checkpointing):
     gradients, against the plan's activations, the loss computed as training does (at TP 1 the fused
     output projection and loss). Tolerance 15%: backward temporaries are not modelled."""
     cfg = load_run_config(str(memory_plan.config_path("small")), ["train.micro_batch_size=8",
-                                                                  f"train.activation_checkpointing={checkpointing}"])
+                                                                  f"speed.activation_checkpointing={checkpointing}"])
     layout = memory_model.layout_of(cfg, world_size=16)
     model = build_staged_gpt(cfg.model, cfg.parallel).to("cuda", torch.bfloat16).train()
     model.activation_checkpointing = checkpointing

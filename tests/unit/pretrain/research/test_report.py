@@ -33,7 +33,7 @@ from pretrain.research.report.runs import (
 from pretrain.research.report.stats import compare_paired, holm, log_trend, power_trend
 from pretrain.research.report.tables import Column, Table, fixed, mean_std, plain
 from pretrain.research.sweep.spec import GapsSpec
-from pretrain.run_dir import RunDir
+from pretrain.run_files.run_dir import RunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -19,13 +19,13 @@ import yaml
 from pretrain_runs import REPO, env, write_config
 from sweep_runs import write_run
 
-from pretrain.config import read_run_config
+from pretrain.config.run_config import read_run_config
 from pretrain.paths import ENTRY_MODULE
 from pretrain.research.sweep import slurm
 from pretrain.research.sweep import spec as sweep_spec
 from pretrain.research.sweep.__main__ import main
 from pretrain.research.sweep.spec import DESIGN_SEEDS, LOG_NAME, Run, expand, load_spec
-from pretrain.run_dir import RunDir, config_hash
+from pretrain.run_files.run_dir import RunDir, config_hash
 
 EXPERIMENTS = REPO / "pretrain" / "experiments"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
@@ -83,14 +83,14 @@ def test_expansion_is_seeds_times_arms_with_every_override_applied(tmp_path):
             "b": {**arm("ora"), "scales": {"cpu": {"model.hidden_size": 32}}},
             "c": arm("ora", **{"train.steps": 5})}
     spec = load_spec(write_spec(tmp_path, arms, seeds=(7, 8)))
-    runs = expand(spec, "cpu", None, ["train.eval_iters=3"], tmp_path / "out")
+    runs = expand(spec, "cpu", None, ["eval.iters=3"], tmp_path / "out")
 
     assert [(r.arm, r.seed) for r in runs] == [("a", 7), ("b", 7), ("c", 7), ("a", 8), ("b", 8), ("c", 8)]
     assert [r.run_dir.path for r in runs[:2]] == [tmp_path / "out" / "a" / "seed7", tmp_path / "out" / "b" / "seed7"]
     assert runs[1].experiment_id == "spec/b/seed7"
     for run in runs:
         assert (run.cfg.model.seed, run.cfg.data.seed) == (run.seed, run.seed)
-        assert run.cfg.train.eval_iters == 3  # --set reaches every run
+        assert run.cfg.eval.iters == 3  # --set reaches every run
         assert run.cfg.checkpoint.save_interval == 2  # the scale's set
     assert [r.cfg.model.attention.type for r in runs[:3]] == ["vanilla", "ora", "ora"]
     assert [r.cfg.model.hidden_size for r in runs[:3]] == [64, 32, 64]  # b's own override at this scale
@@ -408,7 +408,8 @@ def test_evaluations_of_a_finished_run_are_recorded_and_rerun_without_training(t
 
 
 # Stands in for a training (`... RUN_DIR EXIT_CODE`): exit 0 with a complete summary, or fail.
-FAKE_TRAINING = ("import sys; from pretrain.run_dir import RunDir; from pretrain.run_records import Summary; "
+FAKE_TRAINING = ("import sys; from pretrain.run_files.run_dir import RunDir; "
+                 "from pretrain.run_files.run_records import Summary; "
                  "code = int(sys.argv[2]); "
                  "code or RunDir(sys.argv[1]).write_summary(Summary(final_train_loss=3.0, final_valid_loss=3.0, "
                  "final_test_loss=None, wall_time_s=1.0, steps=4, stopped_early=False, preempted=False, "

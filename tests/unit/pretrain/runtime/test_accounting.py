@@ -11,7 +11,7 @@ import torch
 from model_fixtures import tiny_model, tokens
 from one_process import tiny_run
 
-from pretrain.parallel_layout import ParallelLayout
+from pretrain.job.parallel_layout import ParallelLayout
 from pretrain.runtime import accounting
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import lm_loss

@@ -1,4 +1,4 @@
-"""`train.compile`: the compiled layers and loss train the model the eager ones train (fp32, CPU),
+"""`speed.compile`: the compiled layers and loss train the model the eager ones train (fp32, CPU),
 under the same parameter names, and the layout it is not supported in is refused before any worker
 starts."""
 
@@ -12,7 +12,9 @@ from model_fixtures import tokens
 from one_process import tiny_run
 
 from ora_megatron.config_io import ConfigError, from_dict, to_dict
-from pretrain.config import RunConfig, TrainConfig
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import SpeedConfig
 from pretrain.runtime.engine import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # conftest.py: one gloo rank
@@ -21,7 +23,8 @@ STEPS = 8
 
 
 def train_losses(compile_layers: bool) -> tuple[list[float], list[str]]:
-    cfg = tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=STEPS, compile=compile_layers))
+    cfg = tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=STEPS),
+                   speed=SpeedConfig(compile=compile_layers))
     torch.manual_seed(0)
     train_engine = build_engine(cfg, grad_accum=1)
     losses = []
@@ -46,7 +49,7 @@ def test_compiled_layers_train_like_eager_ones():
 
 def test_compile_with_zero3_is_refused_naming_the_key():
     cfg = tiny_run()
-    data = to_dict(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True)))
+    data = to_dict(dataclasses.replace(cfg, speed=SpeedConfig(compile=True)))
     data["deepspeed"]["zero_stage"] = 3
-    with pytest.raises(ConfigError, match="train.compile"):
+    with pytest.raises(ConfigError, match="speed.compile"):
         from_dict(RunConfig, data)

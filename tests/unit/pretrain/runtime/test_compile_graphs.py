@@ -1,4 +1,4 @@
-"""`train.compile` makes one graph per layer, without a break, for every attention variant and family, so
+"""`speed.compile` makes one graph per layer, without a break, for every attention variant and family, so
 that a layer's norms, activation and bias-dropout-adds can fuse; and the compiled layers and loss train
 the model the eager ones train.
 

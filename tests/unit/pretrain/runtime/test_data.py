@@ -17,7 +17,8 @@ from one_process import tiny_run
 
 from data_tools.shard_writer import sha256_file
 from ora_megatron.config_io import ConfigError
-from pretrain.config import BlendEntry, DataConfig, TrainConfig
+from pretrain.config.loop_sections import EvalConfig, TrainConfig
+from pretrain.config.runtime_sections import BlendEntry, DataConfig
 from pretrain.runtime import data
 from pretrain.runtime.data import BatchOrder, StepBatches
 
@@ -110,7 +111,7 @@ def small_mock_corpus():
 
 @pytest.fixture(scope="module")
 def mock_run():
-    return tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=4, steps=5, eval_iters=3))
+    return tiny_run(train=TrainConfig(micro_batch_size=2, global_batch_size=4, steps=5), eval=EvalConfig(iters=3))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def tokenizer(mock_run):
 
 @pytest.mark.slow
 def test_mock_datasets_are_sized_for_the_run(mock_run, tokenizer, small_mock_corpus, tmp_path, monkeypatch):
-    """Train: steps × global batch samples; valid and test: eval_iters global batches. The null tokenizer
+    """Train: steps × global batch samples; valid and test: eval.iters global batches. The null tokenizer
     has model.vocab_size ids, the last one the end of document, and token ids stay below it."""
     requested = []
     builder = data.BlendedMegatronDatasetBuilder

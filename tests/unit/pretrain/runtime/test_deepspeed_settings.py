@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.config import DeepSpeedConfig, RunConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import DeepSpeedConfig
 from pretrain.runtime.ds_config import deepspeed_config
 
 

@@ -7,7 +7,9 @@ import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from ora_megatron.model_config import ModelConfig
-from pretrain.config import OptimizerConfig, RunConfig, TrainConfig
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import OptimizerConfig
 from pretrain.runtime.ds_internals import keep_fp32_clip_norm
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import lm_loss

@@ -8,7 +8,10 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ora_megatron.attention import RandomQKVLinear
 from ora_megatron.model_config import AttentionConfig, ModelConfig
-from pretrain.config import DeepSpeedConfig, FreezeStage, RunConfig, TrainConfig
+from pretrain.config.freeze import FreezeConfig, FreezeStage
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import DeepSpeedConfig
 from pretrain.runtime.ds_internals import base_optimizer, link_optimizer_fragments, whole_tensor_masters
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.freeze import apply_freeze_stage
@@ -22,8 +25,8 @@ def _config(zero_stage: int, precision: str) -> RunConfig:
         model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16,
                           vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0,
                           attention=AttentionConfig(type="ora")),
-        train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=10,
-                          freeze_schedule=[FreezeStage(0.0, "all", "all"), FreezeStage(0.5, "none", "none")]),
+        train=TrainConfig(micro_batch_size=2, global_batch_size=2, steps=10),
+        freeze=FreezeConfig(schedule=[FreezeStage(0.0, "all", "all"), FreezeStage(0.5, "none", "none")]),
         deepspeed=DeepSpeedConfig(zero_stage=zero_stage, precision=precision))
 
 

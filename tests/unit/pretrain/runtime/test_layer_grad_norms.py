@@ -12,7 +12,7 @@ from deepspeed.runtime.utils import get_flattened_grad_norm
 from model_fixtures import tokens
 from one_process import tiny_run
 
-from pretrain.config import TrainConfig
+from pretrain.config.loop_sections import TrainConfig
 from pretrain.runtime.engine import MegatronMPU, build_engine
 from pretrain.runtime.loss import lm_loss
 from pretrain.runtime.metrics import layer_grad_norms, layer_grad_norms_due

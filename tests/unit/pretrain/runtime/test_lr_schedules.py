@@ -13,7 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import get_polynomial_decay_schedule_with_warmup
 
 from ora_megatron.config_io import ConfigError, from_dict
-from pretrain.config import RunConfig, load_run_config
+from pretrain.config.run_config import RunConfig, load_run_config
 from pretrain.paths import preset_path
 from pretrain.research import lr_schedule_plot
 from pretrain.runtime.optimizer import lr_scheduler

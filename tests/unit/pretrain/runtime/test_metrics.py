@@ -12,9 +12,10 @@ import pytest
 import torch
 from one_process import tiny_run
 
-from pretrain.config import LoggingConfig, TrainConfig
-from pretrain.run_dir import RunDir
-from pretrain.run_records import EvalRecord, TrainRecord
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.runtime_sections import LoggingConfig
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import EvalRecord, TrainRecord
 from pretrain.runtime import metrics
 from pretrain.runtime.accounting import flops_per_token
 from pretrain.runtime.metrics import IterationTimer, MetricsLogger, Throughput, throughput, wandb_run_id

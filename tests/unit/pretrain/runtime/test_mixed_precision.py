@@ -10,7 +10,9 @@ import torch
 from model_fixtures import tiny_model, tokens
 
 from ora_megatron.model_config import ModelConfig
-from pretrain.config import DeepSpeedConfig, OptimizerConfig, RunConfig, TrainConfig
+from pretrain.config.loop_sections import TrainConfig
+from pretrain.config.run_config import RunConfig
+from pretrain.config.runtime_sections import DeepSpeedConfig, OptimizerConfig
 from pretrain.runtime.ds_internals import base_optimizer
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import lm_loss

@@ -14,9 +14,10 @@ from one_process import tiny_run
 
 from data_tools.manifest import load_manifest
 from pretrain.checkpoint.checkpointer import TrainState
-from pretrain.config import BlendEntry, DataConfig, EarlyStopping, TrainConfig
-from pretrain.run_dir import RunDir
-from pretrain.run_records import EvalRecord
+from pretrain.config.loop_sections import EarlyStopping, EvalConfig, TrainConfig
+from pretrain.config.runtime_sections import BlendEntry, DataConfig
+from pretrain.run_files.run_dir import RunDir
+from pretrain.run_files.run_records import EvalRecord
 from pretrain.runtime.data import BatchOrder, StepBatches, build_datasets, build_tokenizer
 from pretrain.runtime.engine import build_engine
 from pretrain.runtime.loss import batch_loss
@@ -41,10 +42,12 @@ def split_samples(seed: int, count: int = 16) -> list[dict]:
     return [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(SEQ)} for t in tokens]
 
 
-def evaluator(tmp_path, *, splits=("train", "valid", "test"), **train) -> Evaluator:
+def evaluator(tmp_path, *, splits=("train", "valid", "test"), early_stopping: EarlyStopping | None = None,
+              **train) -> Evaluator:
     """An Evaluator over `splits` (the others absent) logging to tmp_path's metrics.jsonl."""
-    train = {**BATCHES, "steps": 10, "eval_interval": 3, "eval_iters": 2, **train}
-    cfg = tiny_run("vanilla", train=TrainConfig(**train))
+    train = {**BATCHES, "steps": 10, "eval_interval": 3, **train}
+    evaluation = EvalConfig(iters=2, early_stopping=early_stopping or EarlyStopping())
+    cfg = tiny_run("vanilla", train=TrainConfig(**train), eval=evaluation)
     datasets = {split: split_samples(seed) if split in splits else None
                 for seed, split in enumerate(("train", "valid", "test"))}
     batches = StepBatches(datasets, BatchOrder(micro_batch_size=1, grad_accum=GRAD_ACCUM, dp_rank=0, dp_size=1))
@@ -62,7 +65,7 @@ def records(tmp_path, split: str) -> list[EvalRecord]:
 
 
 def test_loss_is_the_mean_over_eval_iters_fixed_batches(train_engine, tmp_path):
-    """eval_iters global batches of the split, the same at every evaluation whatever the step;
+    """eval.iters global batches of the split, the same at every evaluation whatever the step;
     without a gradient, and the engine is left in training mode."""
     ev = evaluator(tmp_path)
     with torch.no_grad():
@@ -159,8 +162,9 @@ def test_each_source_loss_equals_that_source_evaluated_alone(shards, tmp_path):
     """A manifest of two sources: each source's reported loss is the loss of a run whose validation blend
     is that source's datasets alone (same batches, same model), and the record carries them."""
     manifest_file, manifest = two_source_manifest(shards, tmp_path)
-    train = TrainConfig(**BATCHES, steps=10, eval_interval=3, eval_iters=2)
+    train = TrainConfig(**BATCHES, steps=10, eval_interval=3)
     cfg = tiny_run("vanilla", model=dataclasses.replace(tiny_model("vanilla"), vocab_size=400), train=train,
+                   eval=EvalConfig(iters=2),
                    data=DataConfig(manifest=str(manifest_file)))
     engine = build_engine(cfg, grad_accum=GRAD_ACCUM)
     order = BatchOrder(micro_batch_size=1, grad_accum=GRAD_ACCUM, dp_rank=0, dp_size=1)

@@ -1,6 +1,6 @@
 """The records a run dir holds, as typed dataclasses: metrics.jsonl's lines (train steps, evaluations,
 events), restarts.jsonl's, summary.json and a sweep's experiment.yaml. Where each lives and how it is
-written and read is pretrain/run_dir.py's alone.
+written and read is pretrain/run_files/run_dir.py's alone.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class EventRecord:
 
 @dataclass
 class RestartRecord:
-    """One failure of a supervised job and what its supervisor (pretrain/supervision.py) did about it:
+    """One failure of a supervised job and what its supervisor (pretrain/launch/supervisor.py) did about it:
     one line of restarts.jsonl, written by the process that launched the ranks, never by the dead ones."""
 
     time: str
@@ -80,7 +80,7 @@ class EvalRecord:
     loss: float  # of the blend
     ppl: float
     # Each data source's loss on its own part of the split (a manifest of several sources,
-    # train.eval_per_source); None otherwise.
+    # eval.per_source); None otherwise.
     sources: Optional[dict[str, float]] = None
 
 

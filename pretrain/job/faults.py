@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ora_megatron.config_io import check
-from pretrain.supervision import SUPERVISOR_VARIABLE
+from pretrain.job.supervision import SUPERVISOR_VARIABLE
 
 PROCESS_FAULTS = ("kill", "stop", "crash", "preempt")
 

@@ -1,6 +1,6 @@
 """Exit statuses of the training entry and of every worker: what a job's supervisor and a scheduler read.
 
-A supervised job (pretrain/supervision.py) never retries a status in FINAL: each is the run's own decision.
+A supervised job (pretrain/launch/supervisor.py) never retries a status in FINAL: each is the run's own decision.
 """
 
 EXIT_CONFIG_ERROR = 2  # refused before training: the message names the key, file or flag

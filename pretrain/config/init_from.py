@@ -5,24 +5,22 @@ The source is a Hugging Face model directory (`config.json` with model_type gpt2
 dir of this project, or one checkpoint of one (`RUN/checkpoints/<tag>`; a run dir means its latest).
 Only weights come in: the optimizer, the LR schedule and the step start afresh.
 
-At a fresh start, in the process that resolves the run (pretrain/start.py), before any worker,
+At a fresh start, in the process that resolves the run (pretrain/launch/start.py), before any worker,
 pretrain/checkpoint/import_plan.py checks the source against the run's model, converts it, takes the
 source's numerics over into the run's model config and writes RUN/init_from/weights.safetensors with
 the record RUN/init_from.json. The workers load those weights right after the engine is built when
 there is no checkpoint to resume (through reshard.load_weights: any TP, PP, ZeRO stage, the fp32
-masters included). A resume never imports again: the settings its import took over come
-from the record (`recorded_model`) and it continues from its checkpoint; the source may be gone by then.
+masters included). A resume never imports again: the settings its import took over come from the
+record (pretrain/checkpoint/resume_check.py's `recorded_model`) and it continues from its checkpoint;
+the source may be gone by then.
 """
 
 from __future__ import annotations
 
-import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ora_megatron.config_io import check
-from ora_megatron.model_config import ModelConfig
-from pretrain.run_dir import RunDir
 
 
 @dataclass
@@ -44,18 +42,3 @@ class InitFromConfig:
 
 class ImportRefused(ValueError):
     """The source cannot initialise this run; the message names the key, field or tensor at fault."""
-
-
-def forget_import(run_dir: RunDir) -> None:
-    """A fresh start without init_from.path: an import left by an earlier start that never saved a
-    checkpoint is not this run's."""
-    run_dir.init_from_record.unlink(missing_ok=True)
-    shutil.rmtree(run_dir.init_from_dir, ignore_errors=True)
-
-
-def recorded_model(model: ModelConfig, run_dir: RunDir) -> ModelConfig:
-    """The model as the run trains it: with the settings its import took over (from its record), if any."""
-    record = run_dir.read_init_from()
-    for key, (_, new) in (record or {}).get("taken_over", {}).items():
-        model = replace(model, **{key.removeprefix("model."): new})
-    return model

@@ -15,74 +15,16 @@ all-reduced norm), so every rank decides the same. Skipping the torch step leave
 state (its step count too) untouched; DeepSpeed then clears the gradients as after any step. The window
 is part of the checkpoint's train state, so a resumed run decides exactly as an uninterrupted one.
 
-The run config's `stability:` section (StabilityConfig: skip-step, the rewind of a divergence that
-persists, and how many skipped steps in a row make one) is defined here, beside the guard.
+Its settings are the run config's `stability.spike_skip` (pretrain/config/stability.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from ora_megatron.config_io import check
-
-if TYPE_CHECKING:  # the config sections below are read before launch, where torch is not needed
-    import torch
-
-
-@dataclass
-class SpikeSkip:
-    """Skip-step (OLMo-core's SkipStepOptimizer rule): an update whose loss or gradient norm lies above
-    the mean + sigma × the standard deviation of the last `window` steps' is not applied."""
-
-    enabled: bool = False
-    """Skip updates whose loss or gradient norm spikes; costs one scalar all-reduce per step."""
-    window: int = 128
-    """Steps whose loss and gradient norm make the statistics; decisions start once half of it is filled."""
-    sigma: float = 6.0
-    """An update is skipped above mean + sigma × std of the window (loss or gradient norm)."""
-
-    def validate(self, key: str) -> None:
-        check(self.window >= 4, f"{key}.window", "must be >= 4")
-        check(self.sigma > 0, f"{key}.sigma", "must be > 0")
-
-
-@dataclass
-class Rewind:
-    """What a divergence that persists does (stability.max_consecutive_skips skipped steps in a row):
-    reload the newest checkpoint from before it and skip the data batches that led to it (PaLM's
-    recipe: back ~100 steps before a spike, 200-500 batches skipped), instead of stopping the run."""
-
-    enabled: bool = False
-    """Rewind instead of stopping when stability.max_consecutive_skips steps in a row were skipped."""
-    skip_batches: int = 200
-    """Global batches skipped: those that end with the divergent steps' (all of them at least); the steps before
-    them, from the checkpoint on, train again on their own batches."""
-    max_rewinds: int = 3
-    """Rewinds in the whole run; one more divergence stops it (status 3, summary.json says why)."""
-
-    def validate(self, key: str) -> None:
-        check(self.skip_batches >= 1, f"{key}.skip_batches", "must be >= 1")
-        check(self.max_rewinds >= 1, f"{key}.max_rewinds", "must be >= 1")
-
-
-@dataclass
-class StabilityConfig:
-    """What the run does about steps it cannot apply: non-finite ones, spikes, and runs of them."""
-
-    max_consecutive_skips: int = 5
-    """Steps with a non-finite loss (or a spike, with spike_skip) are skipped; this many in a row stops the
-    run, or rewinds it (rewind)."""
-    spike_skip: SpikeSkip = field(default_factory=SpikeSkip)
-    """Loss-spike skip-step."""
-    rewind: Rewind = field(default_factory=Rewind)
-    """Rewind a divergence that persists."""
-
-    def validate(self, key: str) -> None:
-        check(self.max_consecutive_skips > 0, f"{key}.max_consecutive_skips", "must be > 0")
-        self.spike_skip.validate(f"{key}.spike_skip")
-        self.rewind.validate(f"{key}.rewind")
+import torch
 
 
 @dataclass(frozen=True)

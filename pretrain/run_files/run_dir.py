@@ -53,20 +53,35 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import sys
 import time
-import weakref
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 from ora_megatron.config_io import parse_yaml, to_dict
-from pretrain.lock_holders import LockHolder, flock_holders, process_ended
-from pretrain.run_records import EvalRecord, EventRecord, ExperimentRecord, Record, RestartRecord, Summary, TrainRecord
+from pretrain.run_files.lock import (
+    LOCK_ON_STDIN,
+    LockHolder,
+    RunDirBusy,
+    RunDirLock,
+    flock_holders,
+    process_ended,
+    try_flock,
+)
+from pretrain.run_files.run_records import (
+    EvalRecord,
+    EventRecord,
+    ExperimentRecord,
+    Record,
+    RestartRecord,
+    Summary,
+    TrainRecord,
+)
 
 TAG_PATTERN = re.compile(r"step(\d{8})")
 RNG_STATE_PATTERN = re.compile(r"rng_rank(\d+)\.pt")
-LOCK_ON_STDIN = "ORA_RUN_DIR_LOCK_ON_STDIN"  # "1": this process's stdin is its run dir's lock
 STRAGGLER_WAIT_S = 5.0  # a start's wait for the processes of a job whose recorded holder has ended
 
 
@@ -121,76 +136,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class RunDirBusy(Exception):
-    """Another job holds the run dir's lock; the message names it."""
-
-
-_LOCKS_HELD = weakref.WeakSet()  # every RunDirLock of this process, closed in its forked children
-
-
-def _close_locks_in_forked_child() -> None:
-    for lock in list(_LOCKS_HELD):
-        lock.release()
-
-
-os.register_at_fork(after_in_child=_close_locks_in_forked_child)
-
-
-class RunDirLock:
-    """A held run-dir lock: an open descriptor of run.lock with an exclusive flock on it.
-
-    Closing the descriptor (or dropping the object) is the only release: flock(LOCK_UN) would
-    also unlock it for the processes the lock was handed to, which share the open file description.
-    The descriptor is close-on-exec, and a forked child closes it at once (os.register_at_fork):
-    only a handing down (as_stdin) gives the lock to another process.
-    """
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        _LOCKS_HELD.add(self)
-
-    def __del__(self):
-        self.release()
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def record_holder(self, pid: int, command: str) -> None:
-        """Write who runs the job into the lock file, for the message that refuses a second one."""
-        holder = {"pid": pid, "host": platform.node(), "command": command,
-                  "start_time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, (json.dumps(holder) + "\n").encode(), 0)
-
-    @contextlib.contextmanager
-    def as_stdin(self):
-        """Hand the lock to the processes started meanwhile (torchrun's workers, started in this
-        process): this process's stdin is the lock, and LOCK_ON_STDIN is set, until the block ends."""
-        saved = os.dup(0)
-        previous = os.environ.get(LOCK_ON_STDIN)
-        os.dup2(self.fd, 0)
-        os.environ[LOCK_ON_STDIN] = "1"
-        try:
-            yield
-        finally:
-            os.dup2(saved, 0)
-            os.close(saved)
-            if previous is None:
-                del os.environ[LOCK_ON_STDIN]
-            else:
-                os.environ[LOCK_ON_STDIN] = previous
-
-
-def _try_flock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 class _Entry:
     """A fixed file or folder of a run dir: `RunDir(p).metrics` is `p / "metrics.jsonl"`."""
 
@@ -226,7 +171,7 @@ class RunDir:
 
     @property
     def init_from_weights(self) -> Path:
-        """The imported weights as the run's model holds them (pretrain/init_from.py)."""
+        """The imported weights as the run's model holds them (pretrain/config/init_from.py)."""
         return self.init_from_dir / "weights.safetensors"
 
     def read_init_from(self) -> Optional[dict]:
@@ -235,6 +180,12 @@ class RunDir:
 
     def write_init_from(self, record: dict) -> None:
         write_text_atomic(self.init_from_record, json.dumps(record, indent=1) + "\n")
+
+    def forget_init_from(self) -> None:
+        """A fresh start without init_from.path: an import left by an earlier start that never saved a
+        checkpoint is not this run's."""
+        self.init_from_record.unlink(missing_ok=True)
+        shutil.rmtree(self.init_from_dir, ignore_errors=True)
     restarts = _Entry("restarts.jsonl")
     hangs = _Entry("hangs")
 
@@ -286,7 +237,7 @@ class RunDir:
             return handed_down
         self.path.mkdir(parents=True, exist_ok=True)
         lock = RunDirLock(os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644))
-        if not self._free_after_stragglers(lambda: _try_flock(lock.fd)):
+        if not self._free_after_stragglers(lambda: try_flock(lock.fd)):
             lock.release()
             raise RunDirBusy(self._busy_message())
         lock.record_holder(os.getpid(), shlex.join([sys.executable, *sys.argv]))

@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING, Optional
 import yaml
 
 from ora_megatron.config_io import ConfigError, to_dict
-from pretrain.checkpoint.resume_check import ResumePlan, ResumeRefused, check_resume
-from pretrain.config import RunConfig, TrainConfig, for_world, load_run_config, read_run_config, validate_for_world
-from pretrain.environment import keep_offline
-from pretrain.exit_status import EXIT_CONFIG_ERROR
-from pretrain.init_from import ImportRefused, forget_import, recorded_model
+from pretrain.checkpoint.resume_check import ResumePlan, ResumeRefused, check_resume, nothing_to_train, recorded_model
+from pretrain.config.init_from import ImportRefused
+from pretrain.config.run_config import RunConfig, for_world, load_run_config, validate_for_world
+from pretrain.job.environment import keep_offline
+from pretrain.job.exit_status import EXIT_CONFIG_ERROR
+from pretrain.job.supervision import die_with_launcher
+from pretrain.launch.supervisor import StopJob
 from pretrain.paths import REPO
-from pretrain.run_dir import RunDir, RunDirBusy, RunDirLock, config_hash, step_of_tag
-from pretrain.supervision import StopJob
+from pretrain.run_files.lock import RunDirBusy, RunDirLock
+from pretrain.run_files.run_dir import RunDir, config_hash
 
 if TYPE_CHECKING:
     from pretrain.checkpoint.import_plan import ImportPlan
@@ -119,9 +121,7 @@ def resolve(args: argparse.Namespace, under_launcher: bool) -> Start:
             start.lock = run_dir.acquire_lock()
     except (RunDirBusy, OSError) as e:  # OSError: the run dir cannot be created
         raise StartRefused(str(e)) from e
-    plan, topology_change = _resume_plan(start, run_dir)
-    if plan.tag is None:
-        _prepare_import(start, run_dir, args.check_only, planned)
+    plan, topology_change = _start_point(start, run_dir, args.check_only, planned)
     if not args.check_only and start.finished is None:
         plan.apply(run_dir)
         if topology_change is not None:  # converted once, here, before any worker starts
@@ -138,8 +138,8 @@ def _configured(args: argparse.Namespace, under_launcher: bool) -> Start:
             world_size = int(os.environ["WORLD_SIZE"])
         else:
             world_size = args.nproc_per_node if args.world_size is None else args.world_size
-        grad_accum = validate_for_world(cfg, world_size)
         configured, cfg = cfg, for_world(cfg, world_size)
+        grad_accum = validate_for_world(configured, world_size)
         keep_offline(cfg.logging.wandb_mode)  # before anything imports wandb or a Hugging Face library
         if not cfg.data.mock:  # (megatron-core's datasets take seconds to import: only for data to check)
             from pretrain.runtime.data import check_data
@@ -156,9 +156,12 @@ def _configured(args: argparse.Namespace, under_launcher: bool) -> Start:
     return start
 
 
-def _resume_plan(start: Start, run_dir: RunDir) -> tuple[ResumePlan, Optional[TopologyChange]]:
-    """The checkpoint to resume from, if any, checked against the config (and the conversion a topology
-    change needs); a resumed run trains the model settings its import took over (init_from.json)."""
+def _start_point(start: Start, run_dir: RunDir, check_only: bool,
+                 planned: Optional[ImportPlan]) -> tuple[ResumePlan, Optional[TopologyChange]]:
+    """Where the run starts: the checkpoint it resumes, if any, checked against the config (and the
+    conversion a topology change needs; a resumed run trains the model settings its import took over,
+    init_from.json), or, fresh, init_from.path's converted weights, written for the workers to load with
+    its numerics taken over into start.cfg (without one, an import an earlier start left is forgotten)."""
     resumed_cfg = replace(start.cfg, model=recorded_model(start.cfg.model, run_dir))
     try:
         plan = check_resume(run_dir, resumed_cfg, start.world_size)
@@ -176,7 +179,16 @@ def _resume_plan(start: Start, run_dir: RunDir) -> tuple[ResumePlan, Optional[To
             print(f"init_from.path is read at a run's first start only: resuming from {plan.tag}, nothing is "
                   "imported", file=sys.stderr)
         start.cfg = resumed_cfg
-    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, start.cfg.train)
+    start.resume_from, start.finished = plan.tag, nothing_to_train(run_dir, plan.tag, start.cfg)
+    if plan.tag is None and planned is not None:
+        from pretrain.checkpoint.import_plan import write_import
+
+        print(planned.notice(), file=sys.stderr)
+        start.cfg = planned.cfg
+        if not check_only:
+            write_import(run_dir, planned)
+    elif plan.tag is None and not check_only:
+        run_dir.forget_init_from()
     return plan, topology_change
 
 
@@ -192,39 +204,6 @@ def _planned_import(cfg: RunConfig, run_dir: RunDir) -> Optional[ImportPlan]:
         raise StartRefused(str(e)) from e
 
 
-def _prepare_import(start: Start, run_dir: RunDir, check_only: bool, plan: Optional[ImportPlan]) -> None:
-    """A fresh start: write init_from.path's converted weights for the workers to load, and take its
-    numerics over into start.cfg; without it, forget an import an earlier start left."""
-    if plan is None:
-        if not check_only:
-            forget_import(run_dir)
-        return
-    from pretrain.checkpoint.import_plan import write_import
-
-    print(plan.notice(), file=sys.stderr)
-    start.cfg = plan.cfg
-    if not check_only:
-        write_import(run_dir, plan)
-
-
-def nothing_to_train(run_dir: RunDir, tag: Optional[str], train: TrainConfig) -> Optional[str]:
-    """The message for a run that resuming from checkpoint `tag` would not train (it has a summary
-    and `tag` is its last step: the command of a finished run, again), else None. Such a run's
-    files stay as they are: no run files, resume log line or summary is written. A run that early
-    stopping ended is finished too, unless its early-stopping settings changed since."""
-    if tag is None or not run_dir.summary.exists():
-        return None
-    step = step_of_tag(tag)
-    if step >= train.steps:
-        return f"run dir {run_dir.path}: finished at step {step}, nothing to train"
-    summary = run_dir.read_summary()
-    if (summary.stopped_early and summary.steps == step
-            and read_run_config(run_dir).train.early_stopping == train.early_stopping):
-        return (f"run dir {run_dir.path}: stopped early at step {step} (train.early_stopping), nothing to train; "
-                "change train.early_stopping to train on")
-    return None
-
-
 def restart_from(start: Start) -> Optional[str]:
     """Before a supervised restart: the checkpoint to resume from, checked as at the job's start."""
     run_dir = RunDir(start.run_dir)
@@ -232,7 +211,7 @@ def restart_from(start: Start) -> Optional[str]:
         plan = check_resume(run_dir, start.cfg, start.world_size)
     except ResumeRefused as e:
         raise StopJob(EXIT_CONFIG_ERROR, f"cannot restart: {e}") from e
-    if nothing_to_train(run_dir, plan.tag, start.cfg.train) is not None:
+    if nothing_to_train(run_dir, plan.tag, start.cfg) is not None:
         raise StopJob(0, "the run has ended")
     for line in plan.notices():
         print(line, file=sys.stderr)
@@ -246,3 +225,19 @@ def check_start(argv: list[str], world_size: int) -> Start:
     start = resolve(parse_args([*argv, "--check-only", "--world-size", str(world_size)]), under_launcher=False)
     print(start.report(), file=sys.stderr)
     return start
+
+
+def launched_worker(args: argparse.Namespace) -> int:
+    """A rank that an external launcher started (the training entry's arguments): rank 0 resolves the
+    start before the ranks meet, then every rank trains."""
+    from pretrain.training.worker import train_worker  # the training stack: only where a rank trains
+
+    die_with_launcher()
+    try:
+        start = resolve(args, under_launcher=True)
+    except (ConfigError, StartRefused) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    # Rank 0 adopted a handed-down lock as it resolved the start (start.lock); the others adopt it here.
+    with RunDir(start.run_dir).handed_down_lock():
+        return train_worker(RunDir(start.run_dir), start.cfg, start.finished if start.resolves else None)
