@@ -22,6 +22,7 @@ from pretrain.run_files.run_records import RestartRecord
 # Set for the workers of every attempt.
 ATTEMPT_VARIABLE = "ORA_ATTEMPT"  # 0 for the job's first launch, 1 after the first restart, ...
 JOB_START_VARIABLE = "ORA_JOB_START"  # when the job started, seconds since the epoch (supervision.max_wall_time)
+LAUNCHER_VARIABLE = "ORA_LAUNCHER_PID"  # the process that started this worker, where it says so (die_with_launcher)
 SUPERVISOR_VARIABLE = "ORA_SUPERVISOR_PID"  # the process a preemption goes to (fault injection)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -85,10 +86,13 @@ def die_with_launcher() -> None:
     PR_SET_PDEATHSIG fires when the thread that started us exits: torch elastic's agent and
     DeepSpeed's launch.py start workers from their main thread, which lives until the workers end.
     A launcher that stops its workers itself (SIGTERM, a failed rank) still does so first.
+
+    A launcher that died earlier, while this worker was still importing, is caught where it named
+    itself (LAUNCHER_VARIABLE: the entry's own spawn, whose torchrun agent runs in its process).
     """
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    parent = int(os.environ.get(LAUNCHER_VARIABLE, os.getppid()))
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

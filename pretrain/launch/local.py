@@ -9,6 +9,7 @@ import os
 import sys
 
 from pretrain.job.environment import device_environment
+from pretrain.job.supervision import LAUNCHER_VARIABLE
 from pretrain.launch.start import Start, restart_from
 from pretrain.launch.supervisor import Attempt, supervise
 from pretrain.run_files.lock import RunDirLock
@@ -27,6 +28,7 @@ def torchrun_attempt(argv: list[str], lock: RunDirLock) -> Attempt:
     # A stop signal reaches the workers through the agent, which SIGKILLs them after this many
     # seconds: time enough to save a checkpoint.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    os.environ[LAUNCHER_VARIABLE] = str(os.getpid())  # the workers' parent: the agent runs here
     try:
         # The workers hold the lock too (as stdin), so it outlives a launcher killed with SIGKILL
         # until they have died of it (die_with_launcher).

@@ -52,6 +52,22 @@ def test_a_worker_never_loads_the_supervisor():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("launcher", ["parent", "gone"])
+def test_a_worker_whose_named_launcher_is_gone_dies_at_once(launcher):
+    """A launcher that died while its worker was importing: the worker's parent is no longer the process
+    named in LAUNCHER_VARIABLE, and die_with_launcher kills it instead of leaving it to train alone."""
+    code = ("import os, sys; from pretrain.job.supervision import LAUNCHER_VARIABLE, die_with_launcher\n"
+            "os.environ[LAUNCHER_VARIABLE] = str(os.getppid() if sys.argv[1] == 'parent' else 2**22 + 1)\n"
+            "die_with_launcher(); print('alive')")
+    done = subprocess.run([sys.executable, "-c", code, launcher], cwd=REPO, capture_output=True, text=True)
+    if launcher == "parent":
+        assert (done.returncode, done.stdout) == (0, "alive\n")
+    else:
+        assert done.returncode == -signal.SIGKILL and done.stdout == ""
+
+
 def test_statuses_are_described_by_name():
     assert describe_status(-signal.SIGKILL, {}) == "SIGKILL"
     assert describe_status(4, {4: "hung"}) == "exit 4 (hung)"
