@@ -1,0 +1,108 @@
+"""The GPU kinds the step-time model knows: vendor data-sheet peaks and the model's fitted constants.
+
+Data-sheet figures (dense, i.e. without structured sparsity; per GPU):
+
+- A100 SXM 80GB: "NVIDIA A100 Tensor Core GPU" data sheet (2021, the 80GB edition): BF16 tensor core
+  312 TFLOP/s, HBM2e 2,039 GB/s, third-generation NVLink 600 GB/s. Network: one HDR InfiniBand NIC
+  per GPU (200 Gb/s = 25 GB/s), as in a DGX A100 (8 GPUs, 8 HDR compute NICs).
+- H100 SXM (80GB): "NVIDIA H100 Tensor Core GPU" data sheet (2023): BF16 tensor core 1,979 TFLOP/s
+  with sparsity, 989.5 dense; HBM3 3.35 TB/s; fourth-generation NVLink 900 GB/s. Network: one NDR
+  InfiniBand NIC per GPU (ConnectX-7, 400 Gb/s = 50 GB/s), as in a DGX H100.
+- H200 SXM (141GB): "NVIDIA H200 Tensor Core GPU" data sheet (2024): BF16 1,979 TFLOP/s with
+  sparsity, 989.5 dense; HBM3e 4.8 TB/s; NVLink 900 GB/s. Network: one NDR NIC per GPU (400 Gb/s),
+  as in a DGX H200.
+
+NVLink figures are the total bidirectional bandwidth per GPU the data sheets quote; InfiniBand is one
+direction of one NIC.
+
+The fitted constants (`SpeedConstants`) are documented where they are defined and fitted in
+`pretrain.research.speed.fit`; docs/speed_model.md lists their fit data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class SpeedConstants:
+    """The step-time model's constants for one GPU kind (see `pretrain.research.speed.cost`).
+
+    gemm_efficiency: the fraction of the dense bf16 peak a large GEMM reaches.
+    gemm_half_flops: the FLOPs (2·M·N·K) of a GEMM that reaches half of `gemm_efficiency`: efficiency
+        falls as flops / (flops + gemm_half_flops) for small GEMMs (tile quantisation, too few tiles to
+        fill the SMs).
+    bandwidth_efficiency: the fraction of the data sheet's HBM bandwidth a memory-bound kernel reaches.
+    kernel_s: the device time a kernel costs beyond its FLOPs and bytes (launch, ramp, tail).
+    host_s_per_kernel: the host's time to issue one kernel from eager PyTorch (Python, dispatcher,
+        hooks); the step's time is the larger of the device's and the host's.
+    """
+
+    gemm_efficiency: float
+    gemm_half_flops: float
+    bandwidth_efficiency: float
+    kernel_s: float
+    host_s_per_kernel: float
+
+
+@dataclass(frozen=True)
+class GPUKind:
+    name: str
+    data_sheet: str
+    memory_gb: float
+    bf16_dense_flops: float  # FLOP/s
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # per GPU, both directions together
+    infiniband_bytes_per_s: float  # per GPU: one NIC, one direction
+    infiniband_nic: str
+    constants: SpeedConstants
+
+    @property
+    def gemm_peak_flops(self) -> float:
+        return self.bf16_dense_flops * self.constants.gemm_efficiency
+
+    @property
+    def achievable_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s * self.constants.bandwidth_efficiency
+
+
+# Fitted by `pretrain.research.speed.fit` on Base, eager, micro-batch 64 (H100: the after-mb64 report's
+# profile; H200: DESIGN.md §4b's 8192³ matmul and device copy with the Base step); A100 takes the
+# H100's fractions of its data sheet (no A100 has been measured). docs/speed_model.md has the fit data.
+H100_CONSTANTS = SpeedConstants(
+    gemm_efficiency=0.71, gemm_half_flops=2.0e9, bandwidth_efficiency=0.80, kernel_s=3.0e-6,
+    host_s_per_kernel=48.7e-6,
+)
+H200_CONSTANTS = SpeedConstants(
+    gemm_efficiency=0.79, gemm_half_flops=2.0e9, bandwidth_efficiency=0.90, kernel_s=3.0e-6,
+    host_s_per_kernel=41.4e-6,
+)
+A100_CONSTANTS = H100_CONSTANTS
+
+A100 = GPUKind(
+    name="A100 SXM 80GB", data_sheet="NVIDIA A100 Tensor Core GPU data sheet (80GB edition, 2021)",
+    memory_gb=80.0, bf16_dense_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=600e9,
+    infiniband_bytes_per_s=25e9, infiniband_nic="HDR 200 Gb/s", constants=A100_CONSTANTS,
+)
+H100 = GPUKind(
+    name="H100 SXM", data_sheet="NVIDIA H100 Tensor Core GPU data sheet (2023)",
+    memory_gb=80.0, bf16_dense_flops=989.5e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9,
+    infiniband_bytes_per_s=50e9, infiniband_nic="NDR 400 Gb/s", constants=H100_CONSTANTS,
+)
+H200 = GPUKind(
+    name="H200 SXM", data_sheet="NVIDIA H200 Tensor Core GPU data sheet (2024)",
+    memory_gb=141.0, bf16_dense_flops=989.5e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9,
+    infiniband_bytes_per_s=50e9, infiniband_nic="NDR 400 Gb/s", constants=H200_CONSTANTS,
+)
+
+GPU_KINDS = {"a100": A100, "h100": H100, "h200": H200}
+
+
+def gpu_kind(key: str) -> GPUKind:
+    """The GPU kind by its short key (a100, h100, h200); a clear error naming the known keys."""
+    try:
+        return GPU_KINDS[key.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU kind {key!r}; known: {', '.join(GPU_KINDS)}") from None
