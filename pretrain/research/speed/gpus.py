@@ -75,10 +75,10 @@ class GPUKind:
 # after-mb64 report's profile and step; H200: DESIGN.md §4b's 8192³ matmul and Base step); the A100 takes
 # the H100's fractions of its data sheet (no A100 has been measured). docs/speed_model.md: the fit data.
 H100_CONSTANTS = SpeedConstants(
-    gemm_efficiency=0.7571, attention_efficiency=0.1364, bandwidth_efficiency=0.6223, kernel_s=2.0e-6,
+    gemm_efficiency=0.7728, attention_efficiency=0.1364, bandwidth_efficiency=0.6223, kernel_s=2.0e-6,
     host_s_per_op=25.25e-6,
 )
-H200_CONSTANTS = replace(H100_CONSTANTS, gemm_efficiency=0.7927, bandwidth_efficiency=0.4130)
+H200_CONSTANTS = replace(H100_CONSTANTS, gemm_efficiency=0.8166, bandwidth_efficiency=0.4111)
 A100_CONSTANTS = H100_CONSTANTS
 
 A100 = GPUKind(

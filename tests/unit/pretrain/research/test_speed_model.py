@@ -34,7 +34,7 @@ def test_cuda_branches_switch_is_off_unless_entered():
 def test_gemm_cost_is_its_flops_at_the_fitted_rate_and_wave_share():
     op = Op("mm", "gemm", (tensor(1, 4096, 4096), tensor(2, 4096, 4096)), (tensor(3, 4096, 4096),), False)
     cost = kernel_cost(op, H100)
-    # 32 × 16 tiles of 128 × 256 over 132 SMs: 4 waves, the last 88% full, whatever K's split.
+    # 32 × 16 tiles of 128 × 256 over 132 SMs: 4 waves, the last 88% full (K is not split).
     waves = 512 / (4 * 132)
     assert wave_efficiency(1, 4096, 4096, 4096, 132) == pytest.approx(waves)
     flops = 2 * 4096**3
