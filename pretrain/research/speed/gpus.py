@@ -12,9 +12,8 @@ Data-sheet figures (dense, i.e. without structured sparsity; per GPU):
   sparsity, 989.5 dense; HBM3e 4.8 TB/s; NVLink 900 GB/s. Network: one NDR NIC per GPU (400 Gb/s),
   as in a DGX H200.
 
-SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total bidirectional
-bandwidth per GPU the data sheets quote; InfiniBand is one
-direction of one NIC.
+SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total
+bidirectional bandwidth per GPU the data sheets quote; InfiniBand is one direction of one NIC.
 
 The fitted constants (`SpeedConstants`) are documented where they are defined and fitted in
 `pretrain.research.speed.fit`; docs/speed_model.md lists their fit data.

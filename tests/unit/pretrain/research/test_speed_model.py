@@ -107,6 +107,9 @@ def test_trace_of_a_tiny_model_has_its_layers_gemms_and_the_cuda_branches(tmp_pa
     step = micro_batch_time(cfg, H100, 8, cache=tmp_path)
     assert step.categories["gemm"].kernels == 3 * 4 * 2 + 3 * 1  # fwd + 2 bwd a linear; the loss's chunk
     assert list(tmp_path.iterdir())  # the trace is kept for the next call
+    shard = micro_batch_time(cfg, H100, 8, tensor_parallel=2, cache=tmp_path)
+    assert shard.categories["gemm"].flops == pytest.approx(step.categories["gemm"].flops / 2)
+    assert shard.categories["attention"].flops == pytest.approx(step.categories["attention"].flops / 2)
 
 
 @pytest.mark.slow
