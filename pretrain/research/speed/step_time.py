@@ -48,7 +48,7 @@ def documents_masked(cfg) -> bool:
 
 
 def compiled_of(cfg) -> bool:
-    return bool(cfg.train.compile)
+    return bool(cfg.speed.compile)
 
 
 def micro_batch_of(cfg) -> int:
@@ -66,7 +66,7 @@ def flops_per_token(cfg) -> float:
 
 
 def load_config(config: str, overrides: list[str]):
-    from pretrain.config import load_run_config
+    from pretrain.config.run_config import load_run_config
     from pretrain.research.memory_plan import config_path
 
     return load_run_config(str(config_path(config)), overrides)
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h100", choices=sorted(GPU_KINDS))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the config's")
-    parser.add_argument("--compiled", action="store_true", help="layers compiled (default: train.compile)")
+    parser.add_argument("--compiled", action="store_true", help="layers compiled (default: speed.compile)")
     parser.add_argument("--revision", default="HEAD", help="whose loss and optimizer code (code_versions)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
