@@ -34,17 +34,19 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 # aten ops that launch no kernel: allocations and metadata (views are found by their schema).
-NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
-             "lift_fresh", "resize_", "set_", "_local_scalar_dense", "is_same_size", "_to_copy_meta"}
+NO_KERNEL = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+             "alias", "lift_fresh", "resize_", "set_", "_local_scalar_dense", "is_same_size", "_to_copy_meta"}
 
 
 @dataclass(frozen=True)
 class Tensor:
-    """A tensor an op reads or writes: its shape, element size and identity (views share their base's)."""
+    """A tensor an op reads or writes: its shape, element size, identity (views share their base's) and the
+    elements its strides reach (fewer than its shape's for broadcast or overlapping views: the bytes read)."""
 
     shape: tuple[int, ...]
     itemsize: int
     ident: int
+    elements: int
 
     @property
     def numel(self) -> int:
@@ -55,7 +57,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        return self.elements * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,14 @@ def op_kind(name: str, is_view: bool) -> str:
     return "gemm" if name in GEMMS else "memory"
 
 
+def reached_elements(t: torch.Tensor) -> int:
+    """The elements a strided tensor's indices reach: its numel, or its span where that is smaller."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return min(t.numel(), span)
+
+
 @dataclass
 class Recorder:
     ops: list[Op] = field(default_factory=list)
@@ -96,7 +106,7 @@ class Recorder:
         return self.idents[tensor]
 
     def described(self, tensors, alias_of: int | None = None) -> tuple[Tensor, ...]:
-        return tuple(Tensor(tuple(t.shape), t.element_size(), self.ident(t, alias_of))
+        return tuple(Tensor(tuple(t.shape), t.element_size(), self.ident(t, alias_of), reached_elements(t))
                      for t in tensors if isinstance(t, torch.Tensor))
 
     def record(self, name: str, kind: str, inputs, outputs, args: tuple = ()) -> None:
@@ -251,7 +261,7 @@ class Trace:
 
 def _scaled_tensor(a: Tensor, b: Tensor, micro_batch: int) -> Tensor:
     shape = tuple(x + (y - x) * (micro_batch - 2) for x, y in zip(a.shape, b.shape))
-    return replace(a, shape=shape)
+    return replace(a, shape=shape, elements=a.elements + (b.elements - a.elements) * (micro_batch - 2))
 
 
 def _scaled(a: Op, b: Op, micro_batch: int) -> Op:
