@@ -77,6 +77,9 @@ class TrainConfig:
     """Recompute each transformer layer's activations in the backward pass to save memory."""
     compile: bool = False
     """torch.compile each transformer layer and the loss (fused kernels; the first steps compile)."""
+    cuda_graphs: bool = False
+    """With compile: the compiled layers and loss replay as CUDA graphs (torch.compile's mode "reduce-overhead":
+    one launch a graph instead of one a kernel); CUDA only."""
     tf32: bool = True
     """fp32 matrix multiplies on Ampere or newer GPUs use TF32 tensor cores; no effect on CPU."""
     freeze_schedule: Union[Literal["none", "partial_frozen"], list[FreezeStage]] = "none"
@@ -336,6 +339,8 @@ class RunConfig:
         # ZeRO-3 gathers each weight in hooks inside the layers, which a compiled layer would trace.
         check(not (self.train.compile and self.deepspeed.zero_stage == 3), "train.compile",
               "torch.compile of the layers is supported with ZeRO-0/1/2, not with deepspeed.zero_stage=3")
+        check(self.train.compile or not self.train.cuda_graphs, "train.cuda_graphs",
+              "CUDA graphs replay the compiled layers and loss: set train.compile=true with it")
         if self.train.freeze_stages:
             check(self.deepspeed.precision != "fp16", "train.freeze_schedule",
                   "freeze schedules are supported with fp32/bf16 only")

@@ -133,22 +133,24 @@ class TrainEngine:
                     param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
 
 
-def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor") -> None:
+def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor", cuda_graphs: bool = False) -> None:
     """torch.compile each transformer layer, in place: its parameters keep their names (no
     `_orig_mod.`), so checkpoints and exports are those of the eager model; and the loss.
 
     Each layer is one graph, without a break (ora_megatron.stages substitutes megatron-core's
     make_viewless_tensor; frozen Hadamard Q/K are traced as plain ops, their path settled eagerly),
     so its norms, activation and bias-dropout-adds fuse. `backend`: torch.compile's (a cheaper one
-    counts the graphs dynamo makes, which do not depend on it)."""
+    counts the graphs dynamo makes, which do not depend on it). `cuda_graphs` (train.cuda_graphs):
+    mode "reduce-overhead", each graph captured once and replayed as a CUDA graph."""
     settle_hadamard_paths_eagerly(model)
+    mode = "reduce-overhead" if cuda_graphs else None
     for module in model.modules():
         if isinstance(module, DecoderLayerStage):
-            module.compile(backend=backend)
+            module.compile(backend=backend, mode=mode)
     if isinstance(model, PipelineModule):
-        model.loss_fn = torch.compile(model.loss_fn, backend=backend)
+        model.loss_fn = torch.compile(model.loss_fn, backend=backend, mode=mode)
     else:
-        model.fused_loss = torch.compile(model.fused_loss, backend=backend)
+        model.fused_loss = torch.compile(model.fused_loss, backend=backend, mode=mode)
 
 
 def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
@@ -161,7 +163,7 @@ def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
         model = StagedGPT(specs)
         model.activation_checkpointing = cfg.train.activation_checkpointing
     if cfg.train.compile:
-        compile_model(model)
+        compile_model(model, cuda_graphs=cfg.train.cuda_graphs)
     return model
 
 

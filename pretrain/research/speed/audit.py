@@ -32,6 +32,7 @@ from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
 from pretrain.research.speed.reference import ReferenceShape, reference_optimizer_ops, trace_reference
 from pretrain.research.speed.step_time import (
     TRACE_CACHE,
+    TRACE_FORMAT,
     _expanded_loss,
     _ops_json,
     _ops_of,
@@ -173,7 +174,7 @@ def cached_reference_trace(path: str | Path, shape: ReferenceShape, accumulation
                            cache: Path | None = TRACE_CACHE) -> Trace:
     """`trace_reference`, kept as JSON under `cache` per file content and shape (None: not kept)."""
     source = Path(path).read_bytes()
-    key = hashlib.sha256(repr((source, shape, accumulation, torch.__version__)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr((TRACE_FORMAT, source, shape, accumulation, torch.__version__)).encode()).hexdigest()[:16]
     file = None if cache is None else cache / f"reference-{key}.json"
     if file is not None and file.exists():
         data = json.loads(file.read_text())

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pretrain.research.speed.code_versions import _memory
+from pretrain.research.speed.code_versions import FUSED_ADAMW_BYTES_PER_PARAM, _memory
 from pretrain.research.speed.trace import Op, Recorder, Trace, _AttentionRecorder, _DispatchRecorder
 
 # torch's multi_tensor_apply (CUDA): tensors a launch at each depth (lists read), blocks a launch, elements
@@ -41,7 +41,6 @@ from pretrain.research.speed.trace import Op, Recorder, Trace, _AttentionRecorde
 FOREACH_TENSORS_A_LAUNCH = {1: 110, 4: 36}
 FOREACH_BLOCK_ELEMENTS = 65536
 FOREACH_BLOCKS_A_LAUNCH = 320
-FUSED_ADAMW_BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 
 
 @dataclass(frozen=True)
