@@ -36,6 +36,8 @@ CATEGORIES = ("gemm", "attention", "other", "optimizer")
 
 @dataclass
 class CategoryCost:
+    """A category's kernels, the bytes they move, their FLOPs and their device time."""
+
     kernels: int = 0
     bytes: float = 0.0
     flops: float = 0.0
@@ -80,10 +82,10 @@ def gemm_dims(op: Op) -> tuple[int, int, int, int]:
 
 
 def wave_efficiency(batch: int, m: int, n: int, k: int, sms: int) -> float:
-    """The share of the SMs' time a GEMM's output tiles keep busy (the last wave partly idle), with the
-    best split of K into up to MAX_SPLIT_K slices of at least 256 (cuBLAS splits K when tiles are few)."""
+    """The share of the SMs' time a GEMM's output tiles keep busy (the last wave partly idle); with fewer
+    tiles than SMs, the best split of K into up to MAX_SPLIT_K slices of at least 256 (as cuBLAS splits)."""
     tiles = batch * math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1])
-    splits = range(1, max(1, min(MAX_SPLIT_K, k // 256)) + 1)
+    splits = range(1, max(1, min(MAX_SPLIT_K, k // 256)) + 1) if tiles < sms else (1,)
     return max(tiles * s / (math.ceil(tiles * s / sms) * sms) for s in splits)
 
 

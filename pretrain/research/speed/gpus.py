@@ -12,9 +12,8 @@ Data-sheet figures (dense, i.e. without structured sparsity; per GPU):
   sparsity, 989.5 dense; HBM3e 4.8 TB/s; NVLink 900 GB/s. Network: one NDR NIC per GPU (400 Gb/s),
   as in a DGX H200.
 
-SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total bidirectional
-bandwidth per GPU the data sheets quote; InfiniBand is one
-direction of one NIC.
+SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total
+bidirectional bandwidth per GPU the data sheets quote; InfiniBand is one direction of one NIC.
 
 The fitted constants (`SpeedConstants`) are documented where they are defined and fitted in
 `pretrain.research.speed.fit`; docs/speed_model.md lists their fit data.
@@ -75,10 +74,10 @@ class GPUKind:
 # after-mb64 report's profile and step; H200: DESIGN.md §4b's 8192³ matmul and Base step); the A100 takes
 # the H100's fractions of its data sheet (no A100 has been measured). docs/speed_model.md: the fit data.
 H100_CONSTANTS = SpeedConstants(
-    gemm_efficiency=0.7571, attention_efficiency=0.1364, bandwidth_efficiency=0.6223, kernel_s=2.0e-6,
+    gemm_efficiency=0.7728, attention_efficiency=0.1364, bandwidth_efficiency=0.6223, kernel_s=2.0e-6,
     host_s_per_op=25.25e-6,
 )
-H200_CONSTANTS = replace(H100_CONSTANTS, gemm_efficiency=0.7927, bandwidth_efficiency=0.4130)
+H200_CONSTANTS = replace(H100_CONSTANTS, gemm_efficiency=0.8166, bandwidth_efficiency=0.4111)
 A100_CONSTANTS = H100_CONSTANTS
 
 A100 = GPUKind(

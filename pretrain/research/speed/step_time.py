@@ -34,7 +34,7 @@ from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
 from pretrain.research.speed.trace import Op, Tensor, Trace, trace
 
 TRACE_CACHE = Path(__file__).resolve().parents[3] / "runs" / "speed_traces"
-TRACE_FORMAT = 3  # bumped when the cached JSON's fields change
+TRACE_FORMAT = 4  # bumped when the cached JSON's fields change
 
 
 # --------------------------------------------------------------------------- the run config's values

@@ -4,21 +4,22 @@ The model is built as training builds it (`ora_megatron.stages.build_staged_gpt`
 DeepSpeed's bf16 engine casts it) inside `ora_megatron.device_branches.cuda_branches`, so every choice
 by device takes its CUDA branch (FlexAttention for document masks, megatron-core's fused
 bias-dropout-add, Hadamard Q/K over all tokens at once). A `TorchDispatchMode` records each aten op
-with its tensors' shapes, dtypes and identities; the calls that are one CUDA kernel on the GPU are
-recorded as one op each and stood in for on CPU, their own ops unrecorded:
+with its tensors' shapes, element sizes, identities and the elements their strides reach; the calls
+that are one CUDA kernel on the GPU are recorded as one op each and stood in for on CPU, their own ops
+unrecorded:
 
 - `scaled_dot_product_attention` (cuDNN/flash) and FlexAttention (compiled): "attention" forward and
   backward, with [b, heads, s, d];
 - the fused loss (`StagedGPT.fused_loss`, `ora_megatron.cross_entropy.linear_cross_entropy`): one
-  "loss" op with its tokens, width and vocabulary, costed by `pretrain.research.speed.loss_ops` for the
-  loss's code at the revision predicted;
+  "loss" op each way with its tokens, width and vocabulary, replaced by the kernels of
+  `pretrain.research.speed.code_versions.loss_ops` for the loss's code at the revision predicted;
 - megatron-core's bias-dropout-add, compiled by megatron on CUDA: one "fused" op.
 
 The model runs at micro-batches 2 and 3 with the real sequence length: every shape is affine in the
 micro-batch (tokens, batch), so `Trace.at(micro_batch)` gives the shapes of any micro-batch, the
 attention's s² terms exact. (At micro-batch 1 some layout changes are no-ops and launch nothing.) The
-optimizer's step is not traced (DeepSpeed's ZeRO optimizer needs a
-GPU): `pretrain.research.speed.optimizer_ops` models it.
+optimizer's step is not traced (DeepSpeed's ZeRO optimizer needs a GPU):
+`pretrain.research.speed.code_versions.optimizer_ops` models it.
 """
 
 from __future__ import annotations
@@ -112,7 +113,11 @@ class Recorder:
     def record(self, name: str, kind: str, inputs, outputs, args: tuple = ()) -> None:
         ins = self.described(inputs)
         alias = ins[0].ident if kind == "view" and ins else None
-        self.ops.append(Op(name, kind, ins, self.described(outputs, alias), self.backward, args))
+        self.append(Op(name, kind, ins, self.described(outputs, alias), self.backward, args))
+
+    def append(self, op: Op) -> None:
+        if not self.quiet:
+            self.ops.append(op)
 
     @contextlib.contextmanager
     def silenced(self) -> Iterator[None]:
@@ -149,7 +154,7 @@ def stand_in(recorder: Recorder, name: str, kind: str, output: tuple[torch.Size,
         def forward(ctx, *tensors):
             with recorder.silenced():
                 out = torch.zeros(output[0], dtype=output[1])
-            recorder.ops.append(Op(name, kind, metas, recorder.described([out]), recorder.backward, args))
+            recorder.append(Op(name, kind, metas, recorder.described([out]), recorder.backward, args))
             return out
 
         @staticmethod
@@ -158,8 +163,7 @@ def stand_in(recorder: Recorder, name: str, kind: str, output: tuple[torch.Size,
                 grads = tuple(None if not t.requires_grad else torch.zeros_like(t) for t in inputs)
             if backward_name is not None:
                 written = recorder.described([g for g in grads if g is not None])
-                recorder.ops.append(Op(backward_name, kind, (*recorder.described([grad]), *metas), written,
-                                       True, args))
+                recorder.append(Op(backward_name, kind, (*recorder.described([grad]), *metas), written, True, args))
             return grads
 
     return StandIn.apply(*inputs)
@@ -241,9 +245,15 @@ def traced_ops(cfg, micro_batch: int) -> list[Op]:
     recorder = Recorder()
     with cuda_branches(), _one_kernel_calls(recorder, model), _AttentionRecorder(recorder), \
             _DispatchRecorder(recorder):
-        loss = model(tokens, (tokens, torch.ones(shape)), **batch)
-        recorder.backward = True
-        loss.backward()
+        # A first, unrecorded step builds what the model caches on its first call (Hadamard Q/K's index
+        # maps, ORA's frozen Q/K): training repeats the steady step, not the first.
+        for recorded in (False, True):
+            with contextlib.nullcontext() if recorded else recorder.silenced():
+                recorder.backward = False
+                loss = model(tokens, (tokens, torch.ones(shape)), **batch)
+                recorder.backward = True
+                loss.backward()
+            model.zero_grad(set_to_none=True)
     return recorder.ops
 
 

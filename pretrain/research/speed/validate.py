@@ -1,11 +1,12 @@
 """The step-time model against every whole-step time measured on a GPU and committed.
 
-    python -m pretrain.research.speed.validate [--next-window]
+    python -m pretrain.research.speed.validate [--profiles | --next-window]
 
 Sources: the three H100 reports under docs/results/gpu/ (every row of their step-time tables: compare_arms,
 bf16, 65,536 tokens a step) and the H200 rows of DESIGN.md §4b (the project's; nanoGPT's are not the
 project's op graph). Each is predicted at the code its measurement ran (`code_versions`: the loss's
 kernels and the per-tensor non-finite check of that revision); the layers' ops are HEAD's trace.
+`--profiles`: the kernel time a step by category against the profiles' (trace_breakdown.json).
 `--next-window`: the model's predictions for the runs docs/results/gpu/README.md lists for the next GPU
 window (HEAD's code), before they are measured.
 """
@@ -58,6 +59,15 @@ MEASUREMENTS = [
 ]
 
 
+# Kernel ms a step by category from the profiles' trace_breakdown.json (H100): GEMMs, attention, the rest.
+PROFILES = [
+    (Measurement("h100-2026-11-27-before", "9e6204f", "h100", "small", "vanilla", 16, 0.0), (26.1, 6.6, 83.5)),
+    *[(Measurement("h100-2026-11-27-after-mb64", "0ff5a15", "h100", "base", arm, 64, 0.0, fitted=arm == "vanilla"),
+       split) for arm, split in (("vanilla", (58.7, 16.1, 79.8)), ("ora", (56.1, 16.1, 80.3)),
+                                 ("ora_hadamard", (67.1, 16.1, 102.8)))],
+]
+
+
 def arm_overrides(arm: str) -> list[str]:
     from pretrain.research.benchmarks.compare_arms import arm_overrides as overrides
 
@@ -98,6 +108,28 @@ def next_window() -> str:
     return "\n".join(lines)
 
 
+def category_split(m: Measurement) -> tuple[float, float, float, int]:
+    """The model's (GEMM, attention, rest) device ms of a step, and its kernels."""
+    from pretrain.research.speed.step_time import load_config, step_summary, step_time
+
+    cfg = load_config(m.preset, [f"train.micro_batch_size={m.micro_batch}", *arm_overrides(m.arm)])
+    gpu = gpu_kind(m.gpu)
+    rows = step_summary(step_time(cfg, gpu, m.micro_batch, False, m.revision), gpu)["categories"]
+    rest = rows["other"]["ms"] + rows["optimizer"]["ms"]
+    return rows["gemm"]["ms"], rows["attention"]["ms"], rest, sum(r["kernels"] for r in rows.values())
+
+
+def profile_table() -> str:
+    lines = ["| profile | revision | preset | arm | micro-batch | GEMM ms (model) | attention ms (model) | "
+             "rest ms (model) | model's kernels |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, measured in PROFILES:
+        *predicted, kernels = category_split(m)
+        cells = " | ".join(f"{a:.1f} ({b:.1f}, {b / a - 1:+.0%})" for a, b in zip(measured, predicted))
+        lines.append(f"| {m.source}{' (fit)' if m.fitted else ''} | {m.revision} | {m.preset} | {m.arm} | "
+                     f"{m.micro_batch} | {cells} | {kernels} |")
+    return "\n".join(lines)
+
+
 def comparison() -> list[dict]:
     rows = []
     for m in MEASUREMENTS:
@@ -120,8 +152,10 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--next-window", action="store_true", help="predict the next GPU window's runs")
-    if parser.parse_args(argv).next_window:
-        print(next_window())
+    parser.add_argument("--profiles", action="store_true", help="the profiles' kernel time by category")
+    args = parser.parse_args(argv)
+    if args.next_window or args.profiles:
+        print(next_window() if args.next_window else profile_table())
         return 0
     rows = comparison()
     print(markdown(rows))

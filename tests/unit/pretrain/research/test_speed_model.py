@@ -34,7 +34,7 @@ def test_cuda_branches_switch_is_off_unless_entered():
 def test_gemm_cost_is_its_flops_at_the_fitted_rate_and_wave_share():
     op = Op("mm", "gemm", (tensor(1, 4096, 4096), tensor(2, 4096, 4096)), (tensor(3, 4096, 4096),), False)
     cost = kernel_cost(op, H100)
-    # 32 × 16 tiles of 128 × 256 over 132 SMs: 4 waves, the last 88% full, whatever K's split.
+    # 32 × 16 tiles of 128 × 256 over 132 SMs: 4 waves, the last 88% full (K is not split).
     waves = 512 / (4 * 132)
     assert wave_efficiency(1, 4096, 4096, 4096, 132) == pytest.approx(waves)
     flops = 2 * 4096**3
@@ -110,6 +110,9 @@ def test_trace_of_a_tiny_model_has_its_layers_gemms_and_the_cuda_branches(tmp_pa
     step = micro_batch_time(cfg, H100, 8, cache=tmp_path)
     assert step.categories["gemm"].kernels == 3 * 4 * 2 + 3 * 1  # fwd + 2 bwd a linear; the loss's chunk
     assert list(tmp_path.iterdir())  # the trace is kept for the next call
+    shard = micro_batch_time(cfg, H100, 8, tensor_parallel=2, cache=tmp_path)
+    assert shard.categories["gemm"].flops == pytest.approx(step.categories["gemm"].flops / 2)
+    assert shard.categories["attention"].flops == pytest.approx(step.categories["attention"].flops / 2)
 
 
 @pytest.mark.slow
