@@ -147,10 +147,15 @@ def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor", 
     for module in model.modules():
         if isinstance(module, DecoderLayerStage):
             module.compile(backend=backend, mode=mode)
-    if isinstance(model, PipelineModule):
-        model.loss_fn = torch.compile(model.loss_fn, backend=backend, mode=mode)
+    name = "loss_fn" if isinstance(model, PipelineModule) else "fused_loss"
+    loss = torch.compile(getattr(model, name), backend=backend, mode=mode)
+    if cuda_graphs:
+        # CUDA graph replays reuse their outputs' memory: each micro-batch's forward starts a new replay, and
+        # the loss a trainer keeps across micro-batches is copied out of the graphs' pool.
+        model.register_forward_pre_hook(lambda module, args: torch.compiler.cudagraph_mark_step_begin())
+        setattr(model, name, lambda *args: loss(*args).clone())
     else:
-        model.fused_loss = torch.compile(model.fused_loss, backend=backend, mode=mode)
+        setattr(model, name, loss)
 
 
 def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:

@@ -62,8 +62,9 @@ def test_cuda_graphs_without_compile_is_refused_naming_the_key():
         from_dict(RunConfig, data)
 
 
-def test_cuda_graphs_compile_every_layer_and_the_loss_in_reduce_overhead_mode():
-    modes = []
+def test_cuda_graphs_compile_every_layer_and_the_loss_in_reduce_overhead_mode(monkeypatch):
+    modes, replays = [], []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: replays.append(1))
 
     def recording_backend(graph, example_inputs, **options):
         modes.append(options.get("mode"))
@@ -79,6 +80,7 @@ def test_cuda_graphs_compile_every_layer_and_the_loss_in_reduce_overhead_mode():
     # The layers' graph (one for both: the same code, the module inlined) and the loss's, each captured for
     # replay as a CUDA graph on a GPU.
     assert modes == ["reduce-overhead"] * 2
+    assert replays == [1]  # each forward starts a new replay of the graphs
 
 
 def test_build_model_hands_train_cuda_graphs_to_the_compile(monkeypatch):
