@@ -96,6 +96,8 @@ class RunConfig:
         # ZeRO-3 gathers each weight in hooks inside the layers, which a compiled layer would trace.
         check(not (self.speed.compile and self.deepspeed.zero_stage == 3), "speed.compile",
               "torch.compile of the layers is supported with ZeRO-0/1/2, not with deepspeed.zero_stage=3")
+        check(self.speed.compile or not self.speed.cuda_graphs, "speed.cuda_graphs",
+              "CUDA graphs replay the compiled layers and loss: set speed.compile=true with it")
         if self.freeze.stages:
             check(self.deepspeed.precision != "fp16", "freeze.schedule",
                   "freeze schedules are supported with fp32/bf16 only")

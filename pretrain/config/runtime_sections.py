@@ -143,6 +143,9 @@ class DeepSpeedConfig:
 class SpeedConfig:
     compile: bool = False
     """torch.compile each transformer layer and the loss (fused kernels; the first steps compile)."""
+    cuda_graphs: bool = False
+    """With compile: the compiled layers and loss replay as CUDA graphs (torch.compile's mode "reduce-overhead":
+    one launch a graph instead of one a kernel); CUDA only."""
     tf32: bool = True
     """fp32 matrix multiplies on Ampere or newer GPUs use TF32 tensor cores; no effect on CPU."""
     activation_checkpointing: bool = False

@@ -140,22 +140,29 @@ class TrainEngine:
                     param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
 
 
-def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor") -> None:
+def compile_model(model: torch.nn.Module, backend: str | Callable = "inductor", cuda_graphs: bool = False) -> None:
     """torch.compile each transformer layer, in place: its parameters keep their names (no
     `_orig_mod.`), so checkpoints and exports are those of the eager model; and the loss.
 
     Each layer is one graph, without a break (ora_megatron.stages substitutes megatron-core's
     make_viewless_tensor; frozen Hadamard Q/K are traced as plain ops, their path settled eagerly),
     so its norms, activation and bias-dropout-adds fuse. `backend`: torch.compile's (a cheaper one
-    counts the graphs dynamo makes, which do not depend on it)."""
+    counts the graphs dynamo makes, which do not depend on it). `cuda_graphs` (speed.cuda_graphs):
+    mode "reduce-overhead", each graph captured once and replayed as a CUDA graph."""
     settle_hadamard_paths_eagerly(model)
+    mode = "reduce-overhead" if cuda_graphs else None
     for module in model.modules():
         if isinstance(module, DecoderLayerStage):
-            module.compile(backend=backend)
-    if isinstance(model, PipelineModule):
-        model.loss_fn = torch.compile(model.loss_fn, backend=backend)
+            module.compile(backend=backend, mode=mode)
+    name = "loss_fn" if isinstance(model, PipelineModule) else "fused_loss"
+    loss = torch.compile(getattr(model, name), backend=backend, mode=mode)
+    if cuda_graphs:
+        # CUDA graph replays reuse their outputs' memory: each micro-batch's forward starts a new replay, and
+        # the loss a trainer keeps across micro-batches is copied out of the graphs' pool.
+        model.register_forward_pre_hook(lambda module, args: torch.compiler.cudagraph_mark_step_begin())
+        setattr(model, name, lambda *args: loss(*args).clone())
     else:
-        model.fused_loss = torch.compile(model.fused_loss, backend=backend)
+        setattr(model, name, loss)
 
 
 def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
@@ -167,7 +174,7 @@ def build_model(cfg: RunConfig, layout: ParallelLayout) -> torch.nn.Module:
         model = StagedGPT(stage_specs(cfg.model, cfg.parallel))
         model.activation_checkpointing = cfg.speed.activation_checkpointing
     if cfg.speed.compile:
-        compile_model(model)
+        compile_model(model, cuda_graphs=cfg.speed.cuda_graphs)
     return model
 
 

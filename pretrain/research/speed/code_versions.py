@@ -25,7 +25,8 @@ The optimizer step of DeepSpeed's ZeRO-1 in bf16 on one GPU (deepspeed/runtime/z
 partition: the bf16 gradients flattened and copied into fp32 (6 B a parameter), the gradient norm (a read),
 the clip's scale, AdamW's eight foreach kernels (80 B a parameter: p·(1−lr·wd), the lerp of m, v·β₂ and
 +g², sqrt, the two bias-correction/eps passes, addcdiv), each launched once per 320 blocks of 65,536
-elements, and the fp32 → bf16 copy back (6 B). Before 2f8f273 DeepSpeed also checked every gradient
+elements (at HEAD, torch's fused AdamW on CUDA: one kernel a launch, 28 B a parameter), and the
+fp32 → bf16 copy back (6 B). Before 2f8f273 DeepSpeed also checked every gradient
 tensor for non-finite values first: 13 small kernels a tensor (amax, amin, two isfinite, and, not, add)
 reading each gradient twice.
 """
@@ -41,6 +42,7 @@ from pretrain.research.speed.trace import Op, Tensor
 MIB = 2**20
 FOREACH_LAUNCH_ELEMENTS = 320 * 65536  # torch's multi_tensor_apply: blocks a launch × elements a block
 ADAMW_BYTES_PER_PARAM = 80
+FUSED_ADAMW_BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
 NONFINITE_CHECK_KERNELS = 13
 
 
@@ -55,13 +57,14 @@ class CodeVersion:
     small_chunk_kernels: int  # gathers, one-hot updates, [chunk] reductions: launches, no traffic to speak of
     weight_grad_in_epilogue: bool
     nonfinite_check: bool
+    fused_adamw: bool = False  # torch's fused AdamW kernel instead of foreach's eight passes
 
 
 CODE_VERSIONS = {
     "9e6204f": CodeVersion("9e6204f", 64 * MIB, 4, (6, 4, 8, 8, 4, 8, 8, 6), 6, False, True),
     "0ff5a15": CodeVersion("0ff5a15", 256 * MIB, 4, (6, 8, 6), 4, False, True),
     "2f8f273": CodeVersion("2f8f273", 256 * MIB, 4, (6, 4, 8, 8, 4, 6), 5, False, False),
-    "HEAD": CodeVersion("HEAD", 256 * MIB, 2, (2, 4), 3, True, False),
+    "HEAD": CodeVersion("HEAD", 256 * MIB, 2, (2, 4), 3, True, False, fused_adamw=True),
 }
 
 
@@ -141,7 +144,7 @@ def optimizer_ops(code: CodeVersion, tensor_sizes: list[int]) -> list[Op]:
     ops += [_memory("optimizer.flatten_grads", params, 4), _memory("optimizer.grads_to_fp32", params, 6),
             _memory("optimizer.grad_norm", params, 4), _memory("optimizer.clip_scale", params, 8)]
     launches = max(1, math.ceil(params / FOREACH_LAUNCH_ELEMENTS))
-    per_kernel = ADAMW_BYTES_PER_PARAM / 8
-    ops += [_memory("optimizer.adamw", math.ceil(params / launches), per_kernel) for _ in range(8 * launches)]
+    passes, moved = (1, FUSED_ADAMW_BYTES_PER_PARAM) if code.fused_adamw else (8, ADAMW_BYTES_PER_PARAM / 8)
+    ops += [_memory("optimizer.adamw", math.ceil(params / launches), moved) for _ in range(passes * launches)]
     ops.append(_memory("optimizer.params_to_bf16", params, 6))
     return ops

@@ -81,7 +81,10 @@ def test_optimizer_step_scales_with_the_parameters_a_gpu_holds():
     half = optimizer_step_time(H100, 62_000_000)
     assert half.device_s == pytest.approx(whole.device_s / 2, rel=0.1)
     checked = optimizer_step_time(H100, 124_000_000, tensors=148, revision="0ff5a15")
-    assert checked.kernels - whole.kernels == 148 * 13
+    unchecked = optimizer_step_time(H100, 124_000_000, tensors=148, revision="2f8f273")  # both foreach AdamW
+    assert checked.kernels - unchecked.kernels == 148 * 13
+    fused = optimizer_step_time(H100, 124_000_000, tensors=148)  # HEAD: fused AdamW, one kernel a launch
+    assert unchecked.kernels - fused.kernels == 7 * 6 and fused.device_s < unchecked.device_s
 
 
 def test_unknown_gpu_kind_is_named():
