@@ -40,6 +40,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from ora_megatron.device_branches import on_cuda
 from ora_megatron.hadamard import HadamardRows
 from ora_megatron.model_config import FROZEN_QK_INIT, AttentionConfig
 from ora_megatron.orthogonal import (
@@ -121,7 +122,7 @@ class SDPACoreAttention(MegatronModule):
         """Whether document masking runs on FlexAttention: on CUDA (on CPU FlexAttention has no backward,
         and SDPA's CPU kernel takes the dense mask), and without attention dropout, which FlexAttention
         does not have (SDPA's memory-efficient kernel takes the dense mask then)."""
-        return device.type == "cuda" and (self.dropout_p == 0.0 or not self.training)
+        return on_cuda(device) and (self.dropout_p == 0.0 or not self.training)
 
     def forward(self, query, key, value, attention_mask: Optional[DocumentMask] = None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **_newer_megatron_kwargs):

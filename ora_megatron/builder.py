@@ -29,6 +29,7 @@ from ora_megatron.attention import (
     SynthesizerAttention,
     SynthesizerSubmodules,
 )
+from ora_megatron.device_branches import cuda_available
 from ora_megatron.families import activation_of, family_of
 from ora_megatron.linear import ColumnLinear, RowLinear
 from ora_megatron.model_config import ModelConfig, ParallelConfig
@@ -86,8 +87,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         # exact GELU the gpt2 family computes (and its export declares): left unfused, and so is
         # model.activation gelu_tanh (never run fused on a GPU here). The other fusions need
         # Transformer Engine or apex.
-        bias_activation_fusion=torch.cuda.is_available() and family.gated_mlp and activation_of(model) is F.silu,
-        bias_dropout_fusion=torch.cuda.is_available(),
+        bias_activation_fusion=cuda_available() and family.gated_mlp and activation_of(model) is F.silu,
+        bias_dropout_fusion=cuda_available(),
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,

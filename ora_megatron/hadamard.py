@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ora_megatron.device_branches import on_cuda
+
 # Base order -> odd prime q of the Paley construction that builds it (type I if q % 4 == 3, else II).
 _PALEY_PRIME = {12: 11, 20: 19, 28: 13, 36: 17, 44: 43}
 HADAMARD_BASE_ORDERS = (1, 2, *_PALEY_PRIME)
@@ -201,7 +203,7 @@ class HadamardRows(torch.nn.Module):
         """Token ranges to process at once: chunks on CPU (its caches), all tokens on an accelerator
         (a kernel launch per chunk would cost more there than the memory traffic it saves)."""
         t = x.size(0)
-        step = self.chunk_tokens if x.device.type == "cpu" else max(t, 1)
+        step = max(t, 1) if on_cuda(x.device) else self.chunk_tokens
         return [slice(start, start + step) for start in range(0, t, step)]
 
     def columns(self, x: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ Data-sheet figures (dense, i.e. without structured sparsity; per GPU):
   sparsity, 989.5 dense; HBM3e 4.8 TB/s; NVLink 900 GB/s. Network: one NDR NIC per GPU (400 Gb/s),
   as in a DGX H200.
 
-NVLink figures are the total bidirectional bandwidth per GPU the data sheets quote; InfiniBand is one
+SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total bidirectional
+bandwidth per GPU the data sheets quote; InfiniBand is one
 direction of one NIC.
 
 The fitted constants (`SpeedConstants`) are documented where they are defined and fitted in
@@ -30,10 +31,9 @@ GPUS_PER_NODE = 8
 class SpeedConstants:
     """The step-time model's constants for one GPU kind (see `pretrain.research.speed.cost`).
 
-    gemm_efficiency: the fraction of the dense bf16 peak a large GEMM reaches.
-    gemm_half_flops: the FLOPs (2·M·N·K) of a GEMM that reaches half of `gemm_efficiency`: efficiency
-        falls as flops / (flops + gemm_half_flops) for small GEMMs (tile quantisation, too few tiles to
-        fill the SMs).
+    gemm_efficiency: the fraction of the dense bf16 peak a GEMM reaches whose tiles fill whole waves of
+        the SMs (smaller GEMMs lose their last wave's idle share: `cost.wave_efficiency`).
+    attention_efficiency: the fraction of the peak the attention kernels reach on their FLOPs.
     bandwidth_efficiency: the fraction of the data sheet's HBM bandwidth a memory-bound kernel reaches.
     kernel_s: the device time a kernel costs beyond its FLOPs and bytes (launch, ramp, tail).
     host_s_per_kernel: the host's time to issue one kernel from eager PyTorch (Python, dispatcher,
@@ -41,7 +41,7 @@ class SpeedConstants:
     """
 
     gemm_efficiency: float
-    gemm_half_flops: float
+    attention_efficiency: float
     bandwidth_efficiency: float
     kernel_s: float
     host_s_per_kernel: float
@@ -52,6 +52,7 @@ class GPUKind:
     name: str
     data_sheet: str
     memory_gb: float
+    sm_count: int
     bf16_dense_flops: float  # FLOP/s
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float  # per GPU, both directions together
@@ -72,28 +73,28 @@ class GPUKind:
 # profile; H200: DESIGN.md §4b's 8192³ matmul and device copy with the Base step); A100 takes the
 # H100's fractions of its data sheet (no A100 has been measured). docs/speed_model.md has the fit data.
 H100_CONSTANTS = SpeedConstants(
-    gemm_efficiency=0.71, gemm_half_flops=2.0e9, bandwidth_efficiency=0.80, kernel_s=3.0e-6,
+    gemm_efficiency=0.71, attention_efficiency=0.25, bandwidth_efficiency=0.80, kernel_s=3.0e-6,
     host_s_per_kernel=48.7e-6,
 )
 H200_CONSTANTS = SpeedConstants(
-    gemm_efficiency=0.79, gemm_half_flops=2.0e9, bandwidth_efficiency=0.90, kernel_s=3.0e-6,
+    gemm_efficiency=0.79, attention_efficiency=0.25, bandwidth_efficiency=0.90, kernel_s=3.0e-6,
     host_s_per_kernel=41.4e-6,
 )
 A100_CONSTANTS = H100_CONSTANTS
 
 A100 = GPUKind(
     name="A100 SXM 80GB", data_sheet="NVIDIA A100 Tensor Core GPU data sheet (80GB edition, 2021)",
-    memory_gb=80.0, bf16_dense_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=600e9,
+    memory_gb=80.0, sm_count=108, bf16_dense_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=600e9,
     infiniband_bytes_per_s=25e9, infiniband_nic="HDR 200 Gb/s", constants=A100_CONSTANTS,
 )
 H100 = GPUKind(
     name="H100 SXM", data_sheet="NVIDIA H100 Tensor Core GPU data sheet (2023)",
-    memory_gb=80.0, bf16_dense_flops=989.5e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9,
+    memory_gb=80.0, sm_count=132, bf16_dense_flops=989.5e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=900e9,
     infiniband_bytes_per_s=50e9, infiniband_nic="NDR 400 Gb/s", constants=H100_CONSTANTS,
 )
 H200 = GPUKind(
     name="H200 SXM", data_sheet="NVIDIA H200 Tensor Core GPU data sheet (2024)",
-    memory_gb=141.0, bf16_dense_flops=989.5e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9,
+    memory_gb=141.0, sm_count=132, bf16_dense_flops=989.5e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=900e9,
     infiniband_bytes_per_s=50e9, infiniband_nic="NDR 400 Gb/s", constants=H200_CONSTANTS,
 )
 

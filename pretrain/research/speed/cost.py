@@ -1,0 +1,169 @@
+"""The roofline cost of traced ops on a GPU kind, eager or compiled.
+
+Each kernel takes max(FLOPs / GEMM or attention rate, bytes / achievable bandwidth) + `kernel_s`:
+
+- GEMMs (mm, addmm, bmm): 2·M·N·K FLOPs at the GPU's bf16 peak × `gemm_efficiency` × the wave
+  efficiency of its output tiles (128 × 256 tiles, K split as cuBLAS does when they are few, over the
+  GPU's SMs: a GEMM of 1.2 waves runs two);
+- attention (cuDNN / flash, FlexAttention): 4·b·heads·s²·d FLOPs forward, halved when causal, 2.5×
+  that backward (its five matmuls against two), at peak × `attention_efficiency`;
+- every other kernel moves the bytes of its inputs and outputs at HBM × `bandwidth_efficiency`.
+
+Eager, each op that is not a view is one kernel. Compiled (Inductor), each run of memory-bound ops between
+two GEMMs, attention calls or loss kernels is one kernel that reads its inputs from outside the run and
+writes the outputs something after the run reads (`fused_groups`).
+
+The host issues each kernel in `host_s_per_kernel` (eager: Python, the dispatcher, autograd, DeepSpeed's
+hooks; compiled graphs issue theirs at `kernel_s`, the host then never the bound); a stretch of the step
+(one micro-batch's forward and backward, the optimizer step) takes max(device time, host time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pretrain.research.speed.gpus import GPUKind
+from pretrain.research.speed.trace import Op, Tensor
+
+GEMM_TILE = (128, 256)
+MAX_SPLIT_K = 16
+# aten ops that launch more than one kernel on CUDA: layer norm's backward (the input's gradient, then
+# gamma and beta's), the embedding's backward (sort the indices, count, scatter the rows).
+EXTRA_KERNELS = {"native_layer_norm_backward": 2, "embedding_dense_backward": 6}
+CATEGORIES = ("gemm", "attention", "other", "optimizer")
+
+
+@dataclass
+class CategoryCost:
+    kernels: int = 0
+    bytes: float = 0.0
+    flops: float = 0.0
+    device_s: float = 0.0
+
+    def add(self, other: CategoryCost) -> None:
+        self.kernels += other.kernels
+        self.bytes += other.bytes
+        self.flops += other.flops
+        self.device_s += other.device_s
+
+
+@dataclass
+class StretchCost:
+    """A stretch of a step (ops the device runs back to back): per category, and the host's time."""
+
+    categories: dict[str, CategoryCost] = field(default_factory=lambda: {c: CategoryCost() for c in CATEGORIES})
+    host_s: float = 0.0
+
+    @property
+    def device_s(self) -> float:
+        return sum(c.device_s for c in self.categories.values())
+
+    @property
+    def kernels(self) -> int:
+        return sum(c.kernels for c in self.categories.values())
+
+    @property
+    def seconds(self) -> float:
+        return max(self.device_s, self.host_s)
+
+
+def _bytes(tensors: tuple[Tensor, ...]) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+def gemm_dims(op: Op) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a GEMM op: addmm and baddbmm read the added tensor first."""
+    a, b = op.inputs[1:3] if op.name in ("addmm", "baddbmm") else op.inputs[:2]
+    batch = a.shape[0] if len(a.shape) == 3 else 1
+    return batch, a.shape[-2], b.shape[-1], a.shape[-1]
+
+
+def wave_efficiency(batch: int, m: int, n: int, k: int, sms: int) -> float:
+    """The share of the SMs' time a GEMM's output tiles keep busy (the last wave partly idle), with the
+    best split of K into up to MAX_SPLIT_K slices of at least 256 (cuBLAS splits K when tiles are few)."""
+    tiles = batch * math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1])
+    splits = range(1, max(1, min(MAX_SPLIT_K, k // 256)) + 1)
+    return max(tiles * s / (math.ceil(tiles * s / sms) * sms) for s in splits)
+
+
+def gemm_seconds(op: Op, gpu: GPUKind) -> tuple[float, float]:
+    """(FLOPs, device seconds) of a GEMM op."""
+    batch, m, n, k = gemm_dims(op)
+    flops = 2.0 * batch * m * n * k
+    rate = gpu.bf16_dense_flops * gpu.constants.gemm_efficiency * wave_efficiency(batch, m, n, k, gpu.sm_count)
+    moved = _bytes(op.inputs) + _bytes(op.outputs)
+    return flops, max(flops / rate, moved / gpu.achievable_bytes_per_s) + gpu.constants.kernel_s
+
+
+def attention_flops(op: Op) -> float:
+    q, k = op.inputs[-3], op.inputs[-2]  # forward (q, k, v); backward (grad, q, k, v)
+    causal = op.args[0] if op.args else True
+    forward = 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1] * (0.5 if causal else 1.0)
+    return forward * (2.5 if op.backward else 1.0)
+
+
+def kernel_cost(op: Op, gpu: GPUKind) -> CategoryCost:
+    """One kernel's cost (a memory-bound op, a GEMM or an attention call)."""
+    moved = _bytes(op.inputs) + _bytes(op.outputs)
+    if op.kind == "gemm":
+        flops, seconds = gemm_seconds(op, gpu)
+        return CategoryCost(1, moved, flops, seconds)
+    if op.kind == "attention":
+        flops = attention_flops(op)
+        rate = gpu.bf16_dense_flops * gpu.constants.attention_efficiency
+        return CategoryCost(1, moved, flops, max(flops / rate, moved / gpu.achievable_bytes_per_s)
+                            + gpu.constants.kernel_s)
+    kernels = EXTRA_KERNELS.get(op.name, 1)
+    return CategoryCost(kernels, moved, 0.0, moved / gpu.achievable_bytes_per_s + kernels * gpu.constants.kernel_s)
+
+
+def category_of(op: Op) -> str:
+    if op.name.startswith(("optimizer.", "gradients.")):
+        return "optimizer"
+    return op.kind if op.kind in ("gemm", "attention") else "other"
+
+
+def fused_groups(ops: list[Op]) -> list[Op]:
+    """Inductor's view of `ops`: each run of memory-bound ops of the trace (not the loss's or the
+    optimizer's kernels, costed as their code runs) between two other kernels becomes one op reading its
+    inputs from outside the run and writing what later ops read."""
+    read_at: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        for tensor in op.inputs:
+            read_at[tensor.ident] = index  # the last read
+    out, run = [], []
+
+    def close(end: int) -> None:
+        if not run:
+            return
+        written = {t.ident for op in run for t in op.outputs}
+        inputs = {t.ident: t for op in run for t in op.inputs if t.ident not in written}
+        outputs = {t.ident: t for op in run for t in op.outputs if read_at.get(t.ident, -1) >= end}
+        out.append(Op("fused", "memory", tuple(inputs.values()), tuple(outputs.values()), run[0].backward))
+        run.clear()
+
+    for index, op in enumerate(ops):
+        fusable = op.kind in ("memory", "fused") and "." not in op.name
+        if op.kind == "view":
+            continue
+        if fusable:
+            run.append(op)
+            continue
+        close(index)
+        out.append(op)
+    close(len(ops))
+    return out
+
+
+def stretch_cost(ops: list[Op], gpu: GPUKind, compiled: bool) -> StretchCost:
+    """The device and host time of ops run back to back (views launch nothing and are left out)."""
+    kernels = fused_groups(ops) if compiled else [op for op in ops if op.kind != "view"]
+    stretch = StretchCost()
+    for op in kernels:
+        stretch.categories[category_of(op)].add(kernel_cost(op, gpu))
+        # The loss's chunk loop and the optimizer run eager Python whether or not the layers are compiled.
+        eager_host = not compiled or "." in op.name
+        host_s = gpu.constants.host_s_per_kernel if eager_host else gpu.constants.kernel_s
+        stretch.host_s += host_s * EXTRA_KERNELS.get(op.name, 1)
+    return stretch
