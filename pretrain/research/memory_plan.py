@@ -15,7 +15,6 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -108,18 +107,6 @@ def load_config(args: argparse.Namespace) -> tuple[Path, RunConfig]:
     return path, load_run_config(str(path), overrides(args))
 
 
-@contextlib.contextmanager
-def parallel_state() -> Iterator[None]:
-    """megatron's parallel state on one process (TP=1), which building the model on the meta device needs."""
-    from ora_megatron.parallel import destroy_distributed, init_distributed
-
-    init_distributed(1, 1, backend="gloo")
-    try:
-        yield
-    finally:
-        destroy_distributed()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_config_flags(parser)
@@ -141,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with contextlib.redirect_stdout(sys.stderr), parallel_state():
-        result = plan(cfg, args.world_size, args.gpu_memory_gb)
+    with contextlib.redirect_stdout(sys.stderr):
+        from pretrain.checkpoint.consolidate import tp1_parallel_state
+
+        with tp1_parallel_state():
+            result = plan(cfg, args.world_size, args.gpu_memory_gb)
     print(json.dumps({"config": str(path), **result}, indent=2) if args.json else table(path.name, result))
     return 0
 
