@@ -101,10 +101,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="train.activation_checkpointing=true")
 
 
-def load_config(args: argparse.Namespace) -> tuple[Path, RunConfig]:
-    """The config file add_config_flags named, loaded with its overrides (ConfigError naming the key)."""
+def load_config(args: argparse.Namespace, extra: list[str] = ()) -> tuple[Path, RunConfig]:
+    """The config file add_config_flags named, loaded with its overrides and `extra` after them
+    (ConfigError naming the key)."""
     path = config_path(args.config)
-    return path, load_run_config(str(path), overrides(args))
+    return path, load_run_config(str(path), overrides(args) + list(extra))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -45,13 +45,13 @@ class SpecCost:
     runs_that_fit: int
 
 
-def spec_cost(name: str, planner: SpeedPlanner) -> SpecCost:
+def spec_cost(name: str, planner: SpeedPlanner, compiled: bool) -> SpecCost:
     spec = load_spec(EXPERIMENTS / f"{name}.yaml")
     runs = expand(spec, SCALE, None, [], Path("runs") / "paper_cost")
     plans, tokens = [], []
     known: dict[str, dict] = {}
     for run in runs:
-        cfg = run.cfg
+        cfg = replace(run.cfg, train=replace(run.cfg.train, compile=True)) if compiled else run.cfg
         tokens.append(cfg.train.steps * cfg.tokens_per_step)
         unseeded = config_hash(replace(cfg, model=replace(cfg.model, seed=0), data=replace(cfg.data, seed=0)))
         if unseeded not in known:  # the seeds change neither what a run holds nor its speed
@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--specs", nargs="+", default=specs, choices=specs, metavar="SPEC",
                         help=f"specs of pretrain/experiments/ (default: all: {', '.join(specs)})")
     parser.add_argument("--gpu", default="h100", choices=sorted(GPU_KINDS), help="the GPU kind (default h100)")
-    parser.add_argument("--compiled", action="store_true", help="the model under torch.compile")
+    parser.add_argument("--compiled", action="store_true",
+                        help="every run with train.compile (the layers under torch.compile)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
 
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None, compute: ComputeModel = STEP_TIME_MODEL)
     try:
         # DeepSpeed, imported by the FLOP count and the memory plan, logs a line to stdout: stdout is the result
         with contextlib.redirect_stdout(sys.stderr):
-            planner = SpeedPlanner(gpu, args.compiled, compute)
-            costs = [spec_cost(name, planner) for name in args.specs]
+            planner = SpeedPlanner(gpu, compute)
+            costs = [spec_cost(name, planner, args.compiled) for name in args.specs]
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,9 +25,9 @@ import yaml
 
 from ora_megatron.builder import padded_vocab_size
 from ora_megatron.config_io import ConfigError
-from pretrain.config import RunConfig, for_world, load_run_config
+from pretrain.config import RunConfig, for_world
 from pretrain.research import memory_model
-from pretrain.research.memory_plan import add_config_flags, config_path, load_config, overrides
+from pretrain.research.memory_plan import add_config_flags, load_config
 from pretrain.research.speed import comms
 from pretrain.research.speed.gpus import GPU_KINDS, GPUS_PER_NODE, GPUKind, gpu_kind
 
@@ -36,6 +36,10 @@ from pretrain.research.speed.gpus import GPU_KINDS, GPUS_PER_NODE, GPUKind, gpu_
 BACKWARD_SHARE = 2 / 3
 TP_SIZES = (1, 2, 4, 8)  # a tensor group stays on one node's NVLink
 RANK_NODES = (1, 2, 4, 8, 16)
+# ZeRO-3's per-module parameter hooks cost host time the step-time model does not count, and eager steps
+# of these models are host-bound: ranked beside the others it would win on a missing cost. --zero-stage 3
+# ranks it alone.
+RANKED_ZERO_STAGES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,14 @@ class ComputeModel:
     """Compute times on one GPU: forward and backward of one micro-batch of the config's size on the
     config's tensor-parallel shard; the optimizer step over a number of elements."""
 
-    micro_batch_s: Callable[[RunConfig, GPUKind, bool], float]  # (config, GPU kind, compiled)
+    micro_batch_s: Callable[[RunConfig, GPUKind], float]  # (config, GPU kind); compiled: train.compile
     optimizer_s: Callable[[GPUKind, int], float]  # (GPU kind, elements one GPU's optimizer steps)
 
 
-def _modelled_micro_batch_s(cfg: RunConfig, gpu: GPUKind, compiled: bool) -> float:
+def _modelled_micro_batch_s(cfg: RunConfig, gpu: GPUKind) -> float:
     from pretrain.research.speed.step_time import micro_batch_time
 
-    return micro_batch_time(cfg, gpu, cfg.train.micro_batch_size, cfg.parallel.tensor, compiled).seconds
+    return micro_batch_time(cfg, gpu, cfg.train.micro_batch_size, cfg.parallel.tensor, cfg.train.compile).seconds
 
 
 def _modelled_optimizer_s(gpu: GPUKind, stepped: int) -> float:
@@ -73,8 +77,8 @@ class SpeedPlanner:
     """Evaluates layouts of one config on one GPU kind; the model's parameters, cut by TP and PP, are
     built once per cut (on the meta device, megatron's parallel state set up around the build)."""
 
-    def __init__(self, gpu: GPUKind, compiled: bool, compute: ComputeModel):
-        self.gpu, self.compiled, self.compute = gpu, compiled, compute
+    def __init__(self, gpu: GPUKind, compute: ComputeModel):
+        self.gpu, self.compute = gpu, compute
         self._cuts: dict[str, tuple[list, list]] = {}
         self._micro_batch_s: dict[str, float] = {}
 
@@ -90,9 +94,9 @@ class SpeedPlanner:
 
     def compute_times(self, cfg: RunConfig, stepped: int) -> ComputeTimes:
         """The compute model's times; a micro-batch's once per model, data, micro-batch and TP size."""
-        key = repr((cfg.model, cfg.data, cfg.train.micro_batch_size, cfg.parallel.tensor))
+        key = repr((cfg.model, cfg.data, cfg.train.micro_batch_size, cfg.train.compile, cfg.parallel.tensor))
         if key not in self._micro_batch_s:
-            self._micro_batch_s[key] = self.compute.micro_batch_s(cfg, self.gpu, self.compiled)
+            self._micro_batch_s[key] = self.compute.micro_batch_s(cfg, self.gpu)
         return ComputeTimes(self._micro_batch_s[key], self.compute.optimizer_s(self.gpu, stepped))
 
     def memory(self, cfg: RunConfig, layout: memory_model.Layout) -> dict:
@@ -118,7 +122,7 @@ class SpeedPlanner:
         tokens_per_s = cfg.tokens_per_step / total
         return {
             "layout": {**layout.to_json(), "nodes": world_size // GPUS_PER_NODE},
-            "gpu": self.gpu.name, "compiled": self.compiled,
+            "gpu": self.gpu.name, "compiled": cfg.train.compile,
             "memory": self.memory(cfg, layout),
             "step_s": step,
             "data_parallel": step.pop("data_parallel_traffic"),
@@ -221,11 +225,11 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_overrides(cfg: RunConfig, world_size: int, args: argparse.Namespace) -> Iterator[list[str]]:
-    """Every TP × PP × ZeRO stage × micro-batch on `world_size` GPUs, for the sizes no flag fixed; the
-    global batch fixes the accumulation."""
+    """Every TP × PP × ZeRO stage (RANKED_ZERO_STAGES) × micro-batch on `world_size` GPUs, for the sizes no
+    flag fixed; the global batch fixes the accumulation."""
     tps = [args.tp] if args.tp else [t for t in TP_SIZES if t <= world_size]
     pps = [args.pp] if args.pp else [2**k for k in range(cfg.model.num_layers.bit_length()) if 2**k <= world_size]
-    zeros = [args.zero_stage] if args.zero_stage is not None else [0, 1, 2, 3]
+    zeros = [args.zero_stage] if args.zero_stage is not None else list(RANKED_ZERO_STAGES)
     for tp in tps:
         for pp in pps:
             if world_size % (tp * pp) or cfg.train.global_batch_size % (world_size // (tp * pp)):
@@ -237,16 +241,20 @@ def candidate_overrides(cfg: RunConfig, world_size: int, args: argparse.Namespac
                            f"train.micro_batch_size={mb}"]
 
 
+def compile_override(args: argparse.Namespace) -> list[str]:
+    """--compiled as the key it stands for (its checks then apply: no ZeRO-3)."""
+    return ["train.compile=true"] if args.compiled else []
+
+
 def ranked(planner: SpeedPlanner, args: argparse.Namespace, nodes: list[int]) -> dict:
     """Every layout over `nodes` that the config can run and that fits, fastest first."""
-    path = config_path(args.config)
-    base = load_config(args)[1]
+    base = load_config(args, compile_override(args))[1]
     fitting, refused, too_big, unmodelled = [], 0, 0, set()
     for count in nodes:
         world = count * GPUS_PER_NODE
         for layout_overrides in candidate_overrides(base, world, args):
             try:
-                cfg = load_run_config(str(path), overrides(args) + layout_overrides)
+                cfg = load_config(args, compile_override(args) + layout_overrides)[1]
                 layout = memory_model.layout_of(cfg, world)
             except ConfigError:
                 refused += 1
@@ -258,7 +266,7 @@ def ranked(planner: SpeedPlanner, args: argparse.Namespace, nodes: list[int]) ->
                 fitting.append(planner.plan(cfg, world))
             except ValueError as e:  # a micro-batch the step-time model does not cover
                 unmodelled.add(str(e))
-    fitting.sort(key=lambda r: -r["tokens_per_s"])
+    fitting.sort(key=lambda r: (-r["tokens_per_s"], r["gpu_hours"]))
     return {"layouts": fitting, "refused_by_config": refused, "do_not_fit": too_big,
             "not_modelled": sorted(unmodelled)}
 
@@ -328,7 +336,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu", required=True, choices=sorted(GPU_KINDS), help="the GPU kind")
     parser.add_argument("--nodes", type=int, nargs="+", help=f"nodes of {GPUS_PER_NODE} GPUs (with --rank: "
                         f"those to rank over, default {' '.join(map(str, RANK_NODES))})")
-    parser.add_argument("--compiled", action="store_true", help="the model under torch.compile (model.compile)")
+    parser.add_argument("--compiled", action="store_true", help="train.compile=true: the layers under torch.compile")
     parser.add_argument("--rank", action="store_true", help="rank every layout that fits by tokens/s")
     parser.add_argument("--top", type=int, default=20, help="with --rank: how many to print (default 20)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -349,7 +357,7 @@ def main(argv: list[str] | None = None, compute: ComputeModel | None = None) -> 
     args = parse_args(argv)
     try:
         nodes = checked_nodes(args)
-        path, cfg = load_config(args)
+        path, cfg = load_config(args, compile_override(args))
         if not args.rank:
             memory_model.layout_of(cfg, nodes[0] * GPUS_PER_NODE)  # refuse a bad layout before building anything
     except (ConfigError, OSError, yaml.YAMLError) as e:
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None, compute: ComputeModel | None = None) -> 
     gpu = gpu_kind(args.gpu)
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            planner = SpeedPlanner(gpu, args.compiled, compute)
+            planner = SpeedPlanner(gpu, compute)
             result = ranked(planner, args, nodes) if args.rank else planner.plan(cfg, nodes[0] * GPUS_PER_NODE)
     except ValueError as e:  # a layout the step-time model does not cover
         print(f"error: {e}", file=sys.stderr)
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None, compute: ComputeModel | None = None) -> 
     if args.json:
         print(json.dumps({"config": str(path), **result}, indent=1))
     elif args.rank:
-        print(rank_table(path.name, gpu, args.compiled, result, args.top))
+        print(rank_table(path.name, gpu, cfg.train.compile, result, args.top))
     else:
         print(table(path.name, result))
     return 0

@@ -15,7 +15,7 @@ from pretrain.research.speed.gpus import H200
 from pretrain.research.speed_plan import ComputeModel, SpeedPlanner
 
 # 1 ms per 1,000 tokens of a micro-batch, 1 ns per stepped element
-compute_double = ComputeModel(micro_batch_s=lambda cfg, gpu, compiled: cfg.train.micro_batch_size
+compute_double = ComputeModel(micro_batch_s=lambda cfg, gpu: cfg.train.micro_batch_size
                               * cfg.model.seq_length * 1e-6,
                               optimizer_s=lambda gpu, stepped: stepped * 1e-9)
 
@@ -31,7 +31,7 @@ def test_core_costs_its_steps_times_the_speed_plan_s_step(capsys):
 
     spec = paper_cost.load_spec(paper_cost.EXPERIMENTS / "core.yaml")
     runs = paper_cost.expand(spec, "paper", None, [], paper_cost.Path("unused"))
-    planner = SpeedPlanner(H200, compiled=False, compute=compute_double)
+    planner = SpeedPlanner(H200, compute=compute_double)
     steps = [planner.plan(run.cfg, 8)["step_s"]["total"] for run in runs]
     assert core["gpu_hours"] == pytest.approx(sum(100_000 * s * 8 / 3600 for s in steps))
     assert core["step_s"] == pytest.approx([min(steps), max(steps)])

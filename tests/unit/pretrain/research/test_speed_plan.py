@@ -13,6 +13,7 @@ import pytest
 import torch
 from pretrain_runs import TINY_RUN
 
+from ora_megatron.config_io import ConfigError
 from ora_megatron.stages import build_staged_gpt
 from pretrain.checkpoint.consolidate import tp1_parallel_state
 from pretrain.config import load_run_config
@@ -28,14 +29,14 @@ SET = [flag for item in BASE for flag in ("--set", item)]
 
 # 1 ms per 1,000 tokens of a micro-batch over TP, 1 ns per stepped element
 compute_double = speed_plan.ComputeModel(
-    micro_batch_s=lambda cfg, gpu, compiled: cfg.train.micro_batch_size * cfg.model.seq_length / cfg.parallel.tensor
+    micro_batch_s=lambda cfg, gpu: cfg.train.micro_batch_size * cfg.model.seq_length / cfg.parallel.tensor
     * 1e-6,
     optimizer_s=lambda gpu, stepped: stepped * 1e-9)
 
 
 @pytest.fixture
 def planner() -> speed_plan.SpeedPlanner:
-    return speed_plan.SpeedPlanner(H100, compiled=False, compute=compute_double)
+    return speed_plan.SpeedPlanner(H100, compute=compute_double)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_the_ranking_holds_the_layouts_that_fit_fastest_first(run_config, capsys
     limit = (totals[2] + totals[4]) / 2
     assert totals[1] < totals[2] < limit < totals[4]
     small = dataclasses.replace(H100, memory_gb=limit / 0.9 / memory_model.GIB)
-    planner = speed_plan.SpeedPlanner(small, compiled=False, compute=compute_double)
+    planner = speed_plan.SpeedPlanner(small, compute=compute_double)
     args = speed_plan.parse_args(["--config", run_config, *SET, "--gpu", "h100", "--rank", "--tp", "1", "--pp", "1",
                                    "--zero-stage", "1"])
     ranking = speed_plan.ranked(planner, args, [1])
@@ -113,6 +114,19 @@ def test_the_ranking_holds_the_layouts_that_fit_fastest_first(run_config, capsys
     speeds = [r["tokens_per_s"] for r in ranking["layouts"]]
     assert speeds == sorted(speeds, reverse=True)
     assert all(r["memory"]["verdict"] == "fits" for r in ranking["layouts"])
+
+
+def test_zero3_is_ranked_on_request_only_and_never_compiled(planner, run_config):
+    def stages(*flags: str) -> tuple[set[int], int]:
+        args = speed_plan.parse_args(["--config", run_config, *SET, "--gpu", "h100", "--rank", "--tp", "1", "--pp", "1",
+                                      "--micro-batch", "2", *flags])
+        ranking = speed_plan.ranked(planner, args, [1])
+        return {r["layout"]["zero_stage"] for r in ranking["layouts"]}, ranking["refused_by_config"]
+
+    assert stages() == ({0, 1, 2}, 0)  # ZeRO-3's hook time is not modelled: not ranked beside the others
+    assert stages("--zero-stage", "3") == ({3}, 0)
+    with pytest.raises(ConfigError, match="train.compile"):  # the config refuses compiled ZeRO-3
+        stages("--zero-stage", "3", "--compiled")
 
 
 def test_the_cli_prints_a_plan_and_a_ranking(run_config, capsys):
@@ -139,7 +153,7 @@ def test_the_step_time_model_supplies_the_compute(run_config):
     from pretrain.research.speed.step_time import micro_batch_time, optimizer_step_time
 
     cfg = load_run_config(run_config, [*BASE, "train.micro_batch_size=2"])
-    result = speed_plan.SpeedPlanner(H100, compiled=False, compute=speed_plan.STEP_TIME_MODEL).plan(cfg, 8)
+    result = speed_plan.SpeedPlanner(H100, compute=speed_plan.STEP_TIME_MODEL).plan(cfg, 8)
     with tp1_parallel_state():
         stepped = memory_model.optimizer_elements(memory_model.stage_shards(cfg, memory_model.pipeline_stages(
             cfg.model, cfg.parallel))[0], memory_model.layout_of(cfg, 8))
