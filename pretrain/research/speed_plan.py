@@ -117,7 +117,7 @@ class SpeedPlanner:
         stages, shards = self.cut(cfg)
         stepped = max(memory_model.optimizer_elements(held, layout) for held in shards)
         times = self.compute_times(cfg, stepped)
-        step = step_time(cfg, layout, stages, shards, self.gpu, times)
+        step, traffic = step_time(cfg, layout, stages, shards, self.gpu, times)
         total = step["total"]
         tokens_per_s = cfg.tokens_per_step / total
         return {
@@ -125,7 +125,7 @@ class SpeedPlanner:
             "gpu": self.gpu.name, "compiled": cfg.train.compile,
             "memory": self.memory(cfg, layout),
             "step_s": step,
-            "data_parallel": step.pop("data_parallel_traffic"),
+            "data_parallel": {"bytes": traffic.bytes_sent, "busy_s": traffic.busy_s, "exposed_s": traffic.exposed_s},
             "tokens_per_s": tokens_per_s,
             "mfu": flops_per_token(cfg) * tokens_per_s / (world_size * self.gpu.bf16_dense_flops),
             "steps": cfg.train.steps,
@@ -190,11 +190,12 @@ def stage_traffic(cfg: RunConfig, layout: memory_model.Layout, stages: list, sha
 
 
 def step_time(cfg: RunConfig, layout: memory_model.Layout, stages: list, shards: list, gpu: GPUKind,
-              times: ComputeTimes) -> dict:
-    """One optimizer step, in seconds: m micro-batches through p stages in DeepSpeed's 1F1B schedule,
-    each stage's slot its share of the compute, its TP all-reduces and (p > 1) the activation sent
-    forward and its gradient sent back; then the exposed data-parallel traffic, the tied embedding's
-    gradient all-reduce between the end stages (p > 1), and the optimizer step."""
+              times: ComputeTimes) -> tuple[dict[str, float], comms.DataParallelTraffic]:
+    """One optimizer step's parts, in seconds, and its data-parallel traffic: m micro-batches through p
+    stages in DeepSpeed's 1F1B schedule, each stage's slot its share of the compute, its TP all-reduces
+    and (p > 1) the activation sent forward and its gradient sent back; then the exposed data-parallel
+    traffic, the tied embedding's gradient all-reduce between the end stages (p > 1), and the optimizer
+    step."""
     p, m, model = layout.parallel.pipeline, layout.grad_accum, cfg.model
     tp_s, traffic = stage_traffic(cfg, layout, stages, shards, gpu, times)
     activation = layout.micro_batch_size * model.seq_length * model.hidden_size * layout.dtype_bytes
@@ -202,7 +203,7 @@ def step_time(cfg: RunConfig, layout: memory_model.Layout, stages: list, shards:
     p2p = 2 * comms.send_s(activation, gpu, neighbours_share_node) if p > 1 else 0.0
     slot = times.forward_backward_s / p + tp_s + p2p
     tied = 0.0
-    if p > 1 and model.family == "gpt2":  # DeepSpeed's ReduceTiedGrads: the embedding shared by both ends
+    if p > 1 and any(spec.tied_key for spec in stages[-1]):  # DeepSpeed's ReduceTiedGrads: the shared embedding
         ends = comms.Group(2, stride=layout.parallel.world_size // p * (p - 1))
         tied = comms.all_reduce_s(padded_vocab_size(model) * model.hidden_size // layout.parallel.tensor
                                   * layout.dtype_bytes, gpu, ends)
@@ -214,9 +215,7 @@ def step_time(cfg: RunConfig, layout: memory_model.Layout, stages: list, shards:
         "data_parallel": traffic.exposed_s + tied,
         "optimizer": times.optimizer_s,
     }
-    return {**parts, "total": sum(parts.values()),
-            "data_parallel_traffic": {"bytes": traffic.bytes_sent, "busy_s": traffic.busy_s,
-                                      "exposed_s": traffic.exposed_s}}
+    return {**parts, "total": sum(parts.values())}, traffic
 
 
 # ------------------------------------------------------------------ ranking
