@@ -107,8 +107,11 @@ def main(argv: list[str] | None = None, compute: ComputeModel = STEP_TIME_MODEL)
     try:
         # DeepSpeed, imported by the FLOP count and the memory plan, logs a line to stdout: stdout is the result
         with contextlib.redirect_stdout(sys.stderr):
-            planner = SpeedPlanner(gpu, compute)
-            costs = [spec_cost(name, planner, args.compiled) for name in args.specs]
+            from pretrain.checkpoint.consolidate import tp1_parallel_state
+
+            with tp1_parallel_state():  # held across every spec: the cuts' builds and the traces join it
+                planner = SpeedPlanner(gpu, compute)
+                costs = [spec_cost(name, planner, args.compiled) for name in args.specs]
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

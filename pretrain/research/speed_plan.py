@@ -75,7 +75,7 @@ STEP_TIME_MODEL = ComputeModel(_modelled_micro_batch_s, _modelled_optimizer_s)
 
 class SpeedPlanner:
     """Evaluates layouts of one config on one GPU kind; the model's parameters, cut by TP and PP, are
-    built once per cut (on the meta device, megatron's parallel state set up around the build)."""
+    built once per cut (on the meta device, in megatron's TP=1 state: joined if held, else set up for the build)."""
 
     def __init__(self, gpu: GPUKind, compute: ComputeModel):
         self.gpu, self.compute = gpu, compute
@@ -88,7 +88,7 @@ class SpeedPlanner:
             from pretrain.checkpoint.consolidate import tp1_parallel_state  # imports DeepSpeed, which logs to stdout
 
             stages = memory_model.pipeline_stages(cfg.model, cfg.parallel)
-            with tp1_parallel_state():  # held for the build only: the step-time model's trace sets up its own
+            with tp1_parallel_state():
                 self._cuts[key] = stages, memory_model.stage_shards(cfg, stages)
         return self._cuts[key]
 
@@ -248,7 +248,7 @@ def compile_override(args: argparse.Namespace) -> list[str]:
 def ranked(planner: SpeedPlanner, args: argparse.Namespace, nodes: list[int]) -> dict:
     """Every layout over `nodes` that the config can run and that fits, fastest first."""
     base = load_config(args, compile_override(args))[1]
-    fitting, refused, too_big, unmodelled = [], 0, 0, set()
+    fitting, refused, too_big = [], 0, 0
     for count in nodes:
         world = count * GPUS_PER_NODE
         for layout_overrides in candidate_overrides(base, world, args):
@@ -261,13 +261,9 @@ def ranked(planner: SpeedPlanner, args: argparse.Namespace, nodes: list[int]) ->
             if planner.memory(for_world(cfg, world), layout)["verdict"] != "fits":
                 too_big += 1
                 continue
-            try:
-                fitting.append(planner.plan(cfg, world))
-            except ValueError as e:  # a micro-batch the step-time model does not cover
-                unmodelled.add(str(e))
+            fitting.append(planner.plan(cfg, world))
     fitting.sort(key=lambda r: (-r["tokens_per_s"], r["gpu_hours"]))
-    return {"layouts": fitting, "refused_by_config": refused, "do_not_fit": too_big,
-            "not_modelled": sorted(unmodelled)}
+    return {"layouts": fitting, "refused_by_config": refused, "do_not_fit": too_big}
 
 
 # ------------------------------------------------------------------ output
@@ -312,7 +308,6 @@ def rank_table(config: str, gpu: GPUKind, compiled: bool, ranking: dict, top: in
     lines = [f"{config} on {gpu.name}, {mode}: {len(ranking['layouts'])} layouts fit "
              f"({ranking['do_not_fit']} do not, {ranking['refused_by_config']} refused by the config); "
              f"the {len(shown)} fastest",
-             *(f"not modelled: {reason}" for reason in ranking["not_modelled"]),
              "| nodes | TP | PP | DP | ZeRO | micro-batch | accum | step ms | compute | comm exposed | bubble "
              "| tokens/s | MFU | GPU-hours | days | GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -363,13 +358,12 @@ def main(argv: list[str] | None = None, compute: ComputeModel | None = None) -> 
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu = gpu_kind(args.gpu)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr):
+        from pretrain.checkpoint.consolidate import tp1_parallel_state  # imports DeepSpeed, which logs to stdout
+
+        with tp1_parallel_state():  # held across the plan: the cuts' builds and the traces join it
             planner = SpeedPlanner(gpu, compute)
             result = ranked(planner, args, nodes) if args.rank else planner.plan(cfg, nodes[0] * GPUS_PER_NODE)
-    except ValueError as e:  # a layout the step-time model does not cover
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if args.json:
         print(json.dumps({"config": str(path), **result}, indent=1))
     elif args.rank:
