@@ -1,6 +1,6 @@
 """pretrain/research/speed/trace.py and step_time's trace cache: the trace joins megatron's state when the
 caller holds it, frees what it built, covers micro-batch 1 by its own trace, and a cached trace is parsed
-once per process."""
+once per process; a gather from an overlapping strided view is costed by what it reads."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from pretrain_runs import TINY_RUN
 from pretrain.checkpoint.consolidate import tp1_parallel_state
 from pretrain.config import load_run_config
 from pretrain.research.speed import step_time
+from pretrain.research.speed.cost import kernel_cost, stretch_cost
 from pretrain.research.speed.gpus import H100
-from pretrain.research.speed.trace import trace
+from pretrain.research.speed.trace import Op, Tensor, trace
 
-pytestmark = pytest.mark.slow  # each test traces the tiny model's CUDA ops on CPU (seconds)
+slow = pytest.mark.slow  # traces the tiny model's CUDA ops on CPU (seconds)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def _live_tensors() -> int:
     return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
 
+@slow
 def test_the_trace_joins_the_callers_megatron_state_and_sets_up_its_own_otherwise(cfg):
     with tp1_parallel_state():
         trace(cfg)
@@ -41,6 +43,7 @@ def test_the_trace_joins_the_callers_megatron_state_and_sets_up_its_own_otherwis
     assert not parallel_state.model_parallel_is_initialized()
 
 
+@slow
 def test_a_trace_keeps_nothing_it_built(cfg):
     trace(cfg)  # first-use state (imports, lazily made globals) out of the count
     before = _live_tensors()
@@ -48,6 +51,7 @@ def test_a_trace_keeps_nothing_it_built(cfg):
     assert _live_tensors() == before
 
 
+@slow
 def test_micro_batch_1_is_traced_as_it_is(cfg):
     def loss_tokens(ops):
         return next(op.inputs[0].shape[0] for op in ops if op.name == "linear_cross_entropy")
@@ -61,9 +65,20 @@ def test_micro_batch_1_is_traced_as_it_is(cfg):
         step_time.micro_batch_ops(cfg, 0, None)
 
 
+@slow
 def test_a_cached_trace_is_read_once(cfg, tmp_path):
     first = step_time.cached_trace(cfg, tmp_path)
     for path in tmp_path.iterdir():  # the JSON written; a second call does not read it again
         path.unlink()
     assert step_time.cached_trace(cfg, tmp_path) is first
     assert first == step_time.cached_trace(cfg, None)
+
+
+def test_a_gather_reads_one_source_element_per_element_it_writes():
+    """ora_megatron.hadamard's `take`: the source's shape spans each token's rows from its start to the
+    storage's end, though one gathered column a block is all it reads."""
+    index, out = Tensor((1024, 8, 128), 8, 1), Tensor((1024, 8, 128), 2, 2)
+    gather = Op("gather", "memory", (Tensor((1024, 8, 983104), 2, 0), index, index), (out,), False)
+    as_read = Op("gather", "memory", (Tensor((1024, 8, 128), 2, 0), index, index), (out,), False)
+    assert stretch_cost([gather], H100, compiled=False).device_s == kernel_cost(as_read, H100).device_s
+    assert stretch_cost([gather], H100, compiled=True).device_s == stretch_cost([as_read], H100, True).device_s
