@@ -21,7 +21,7 @@ hooks; compiled graphs issue theirs at `kernel_s`, the host then never the bound
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pretrain.research.speed.gpus import GPUKind
 from pretrain.research.speed.trace import Op, Tensor
@@ -156,17 +156,8 @@ def fused_groups(ops: list[Op]) -> list[Op]:
     return out
 
 
-def gathered(op: Op) -> Op:
-    """A gather reads one source element per element it writes; its source's shape can span far more
-    than its storage (`ora_megatron.hadamard`'s `take` gathers from an overlapping strided view)."""
-    if op.name != "gather" or op.inputs[0].numel <= op.outputs[0].numel:
-        return op
-    return replace(op, inputs=(replace(op.inputs[0], shape=op.outputs[0].shape), *op.inputs[1:]))
-
-
 def stretch_cost(ops: list[Op], gpu: GPUKind, compiled: bool) -> StretchCost:
     """The device and host time of ops run back to back (views launch nothing and are left out)."""
-    ops = [gathered(op) for op in ops]
     kernels = fused_groups(ops) if compiled else [op for op in ops if op.kind != "view"]
     stretch = StretchCost()
     for op in kernels:

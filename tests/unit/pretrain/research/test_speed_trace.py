@@ -1,6 +1,6 @@
 """pretrain/research/speed/trace.py and step_time's trace cache: the trace joins megatron's state when the
 caller holds it, frees what it built, covers micro-batch 1 by its own trace, and a cached trace is parsed
-once per process; a gather from an overlapping strided view is costed by what it reads."""
+once per process."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from pretrain_runs import TINY_RUN
 from pretrain.checkpoint.consolidate import tp1_parallel_state
 from pretrain.config import load_run_config
 from pretrain.research.speed import step_time
-from pretrain.research.speed.cost import kernel_cost, stretch_cost
 from pretrain.research.speed.gpus import H100
-from pretrain.research.speed.trace import Op, Tensor, trace
+from pretrain.research.speed.trace import trace
 
 slow = pytest.mark.slow  # traces the tiny model's CUDA ops on CPU (seconds)
 
@@ -73,12 +72,3 @@ def test_a_cached_trace_is_read_once(cfg, tmp_path):
     assert step_time.cached_trace(cfg, tmp_path) is first
     assert first == step_time.cached_trace(cfg, None)
 
-
-def test_a_gather_reads_one_source_element_per_element_it_writes():
-    """ora_megatron.hadamard's `take`: the source's shape spans each token's rows from its start to the
-    storage's end, though one gathered column a block is all it reads."""
-    index, out = Tensor((1024, 8, 128), 8, 1), Tensor((1024, 8, 128), 2, 2)
-    gather = Op("gather", "memory", (Tensor((1024, 8, 983104), 2, 0), index, index), (out,), False)
-    as_read = Op("gather", "memory", (Tensor((1024, 8, 128), 2, 0), index, index), (out,), False)
-    assert stretch_cost([gather], H100, compiled=False).device_s == kernel_cost(as_read, H100).device_s
-    assert stretch_cost([gather], H100, compiled=True).device_s == stretch_cost([as_read], H100, True).device_s
