@@ -203,7 +203,7 @@ class HadamardRows(torch.nn.Module):
         """Token ranges to process at once: chunks on CPU (its caches), all tokens on an accelerator
         (a kernel launch per chunk would cost more there than the memory traffic it saves)."""
         t = x.size(0)
-        step = max(t, 1) if on_cuda(x.device) else self.chunk_tokens
+        step = self.chunk_tokens if x.device.type == "cpu" and not on_cuda(x.device) else max(t, 1)
         return [slice(start, start + step) for start in range(0, t, step)]
 
     def columns(self, x: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ _idents = itertools.count(-1, -1)  # synthesized tensors: identities apart from 
 
 
 def _tensor(*shape: int, itemsize: int) -> Tensor:
-    return Tensor(tuple(shape), itemsize, next(_idents))
+    return Tensor(tuple(shape), itemsize, next(_idents), math.prod(shape))
 
 
 def _memory(name: str, elements: int, bytes_per_element: float, backward: bool = False) -> Op:

@@ -13,9 +13,9 @@ Eager, each op that is not a view is one kernel. Compiled (Inductor), each run o
 two GEMMs, attention calls or loss kernels is one kernel that reads its inputs from outside the run and
 writes the outputs something after the run reads (`fused_groups`).
 
-The host issues each kernel in `host_s_per_kernel` (eager: Python, the dispatcher, autograd, DeepSpeed's
-hooks; compiled graphs issue theirs at `kernel_s`, the host then never the bound); a stretch of the step
-(one micro-batch's forward and backward, the optimizer step) takes max(device time, host time).
+The host spends `host_s_per_op` on each op it issues eagerly (Python, the dispatcher, autograd, DeepSpeed's
+loops; compiled graphs issue their kernels at `kernel_s`); a stretch of the step (one micro-batch's forward
+and backward, the optimizer step) takes max(device time, host time).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ CATEGORIES = ("gemm", "attention", "other", "optimizer")
 
 @dataclass
 class CategoryCost:
+    """A category's kernels, the bytes they move, their FLOPs and their device time."""
+
     kernels: int = 0
     bytes: float = 0.0
     flops: float = 0.0
@@ -80,10 +82,10 @@ def gemm_dims(op: Op) -> tuple[int, int, int, int]:
 
 
 def wave_efficiency(batch: int, m: int, n: int, k: int, sms: int) -> float:
-    """The share of the SMs' time a GEMM's output tiles keep busy (the last wave partly idle), with the
-    best split of K into up to MAX_SPLIT_K slices of at least 256 (cuBLAS splits K when tiles are few)."""
+    """The share of the SMs' time a GEMM's output tiles keep busy (the last wave partly idle); with fewer
+    tiles than SMs, the best split of K into up to MAX_SPLIT_K slices of at least 256 (as cuBLAS splits)."""
     tiles = batch * math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1])
-    splits = range(1, max(1, min(MAX_SPLIT_K, k // 256)) + 1)
+    splits = range(1, max(1, min(MAX_SPLIT_K, k // 256)) + 1) if tiles < sms else (1,)
     return max(tiles * s / (math.ceil(tiles * s / sms) * sms) for s in splits)
 
 
@@ -157,13 +159,19 @@ def fused_groups(ops: list[Op]) -> list[Op]:
 
 
 def stretch_cost(ops: list[Op], gpu: GPUKind, compiled: bool) -> StretchCost:
-    """The device and host time of ops run back to back (views launch nothing and are left out)."""
-    kernels = fused_groups(ops) if compiled else [op for op in ops if op.kind != "view"]
+    """The device and host time of ops run back to back. Eager, the host spends `host_s_per_op` on each
+    op of the layers (views too) and on each kernel of the loss's chunk loop and the gradients' and
+    optimizer's loops (named "part.kernel"); compiled layers launch their kernels from the graph's
+    wrapper, at `kernel_s` each."""
+    constants = gpu.constants
     stretch = StretchCost()
+    kernels = fused_groups(ops) if compiled else [op for op in ops if op.kind != "view"]
     for op in kernels:
         stretch.categories[category_of(op)].add(kernel_cost(op, gpu))
-        # The loss's chunk loop and the optimizer run eager Python whether or not the layers are compiled.
-        eager_host = not compiled or "." in op.name
-        host_s = gpu.constants.host_s_per_kernel if eager_host else gpu.constants.kernel_s
-        stretch.host_s += host_s * EXTRA_KERNELS.get(op.name, 1)
+        if "." in op.name:
+            stretch.host_s += constants.host_s_per_op * EXTRA_KERNELS.get(op.name, 1)
+        elif compiled:
+            stretch.host_s += constants.kernel_s
+    if not compiled:
+        stretch.host_s += constants.host_s_per_op * sum("." not in op.name for op in ops)
     return stretch

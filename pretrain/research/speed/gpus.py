@@ -12,9 +12,8 @@ Data-sheet figures (dense, i.e. without structured sparsity; per GPU):
   sparsity, 989.5 dense; HBM3e 4.8 TB/s; NVLink 900 GB/s. Network: one NDR NIC per GPU (400 Gb/s),
   as in a DGX H200.
 
-SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total bidirectional
-bandwidth per GPU the data sheets quote; InfiniBand is one
-direction of one NIC.
+SM counts: 108 (A100), 132 (H100 SXM, H200: the same GH100 die). NVLink figures are the total
+bidirectional bandwidth per GPU the data sheets quote; InfiniBand is one direction of one NIC.
 
 The fitted constants (`SpeedConstants`) are documented where they are defined and fitted in
 `pretrain.research.speed.fit`; docs/speed_model.md lists their fit data.
@@ -22,7 +21,7 @@ The fitted constants (`SpeedConstants`) are documented where they are defined an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GPUS_PER_NODE = 8
 
@@ -36,15 +35,17 @@ class SpeedConstants:
     attention_efficiency: the fraction of the peak the attention kernels reach on their FLOPs.
     bandwidth_efficiency: the fraction of the data sheet's HBM bandwidth a memory-bound kernel reaches.
     kernel_s: the device time a kernel costs beyond its FLOPs and bytes (launch, ramp, tail).
-    host_s_per_kernel: the host's time to issue one kernel from eager PyTorch (Python, dispatcher,
-        hooks); the step's time is the larger of the device's and the host's.
+    host_s_per_op: the host's time per op issued eagerly: each aten op the layers dispatch, views included
+        (megatron-core's modules in Python, the dispatcher, autograd), each kernel of the loss's chunk loop
+        and of the gradients' and optimizer's per-tensor loops. A stretch of the step takes the larger of
+        the device's and the host's time. Compiled layers issue their kernels at `kernel_s`.
     """
 
     gemm_efficiency: float
     attention_efficiency: float
     bandwidth_efficiency: float
     kernel_s: float
-    host_s_per_kernel: float
+    host_s_per_op: float
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,14 @@ class GPUKind:
         return self.hbm_bytes_per_s * self.constants.bandwidth_efficiency
 
 
-# Fitted by `pretrain.research.speed.fit` on Base, eager, micro-batch 64 (H100: the after-mb64 report's
-# profile; H200: DESIGN.md §4b's 8192³ matmul and device copy with the Base step); A100 takes the
-# H100's fractions of its data sheet (no A100 has been measured). docs/speed_model.md has the fit data.
+# Fitted by `python -m pretrain.research.speed.fit` on Base, vanilla, eager, micro-batch 64 (H100: the
+# after-mb64 report's profile and step; H200: DESIGN.md §4b's 8192³ matmul and Base step); the A100 takes
+# the H100's fractions of its data sheet (no A100 has been measured). docs/speed_model.md: the fit data.
 H100_CONSTANTS = SpeedConstants(
-    gemm_efficiency=0.71, attention_efficiency=0.25, bandwidth_efficiency=0.80, kernel_s=3.0e-6,
-    host_s_per_kernel=48.7e-6,
+    gemm_efficiency=0.7728, attention_efficiency=0.1364, bandwidth_efficiency=0.6223, kernel_s=2.0e-6,
+    host_s_per_op=25.25e-6,
 )
-H200_CONSTANTS = SpeedConstants(
-    gemm_efficiency=0.79, attention_efficiency=0.25, bandwidth_efficiency=0.90, kernel_s=3.0e-6,
-    host_s_per_kernel=41.4e-6,
-)
+H200_CONSTANTS = replace(H100_CONSTANTS, gemm_efficiency=0.8166, bandwidth_efficiency=0.4111)
 A100_CONSTANTS = H100_CONSTANTS
 
 A100 = GPUKind(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
 from pretrain.research.speed.trace import Op, Tensor, Trace, trace, trace_at_one
 
 TRACE_CACHE = Path(__file__).resolve().parents[3] / "runs" / "speed_traces"
+TRACE_FORMAT = 4  # bumped when the cached JSON's fields change
 
 
 # --------------------------------------------------------------------------- the run config's values
@@ -73,18 +75,20 @@ def load_config(config: str, overrides: list[str]):
 # --------------------------------------------------------------------------- the trace, cached
 
 def _trace_key(cfg) -> str:
-    what = repr((model_of(cfg), documents_masked(cfg), torch.__version__))
+    what = repr((TRACE_FORMAT, model_of(cfg), documents_masked(cfg), torch.__version__))
     return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 def _ops_json(ops) -> list:
-    return [[op.name, op.kind, [[list(t.shape), t.itemsize, t.ident] for t in op.inputs],
-             [[list(t.shape), t.itemsize, t.ident] for t in op.outputs], op.backward, list(op.args)] for op in ops]
+    def tensors(items):
+        return [[list(t.shape), t.itemsize, t.ident, t.elements] for t in items]
+
+    return [[op.name, op.kind, tensors(op.inputs), tensors(op.outputs), op.backward, list(op.args)] for op in ops]
 
 
 def _ops_of(rows) -> tuple[Op, ...]:
     def tensors(items):
-        return tuple(Tensor(tuple(shape), itemsize, ident) for shape, itemsize, ident in items)
+        return tuple(Tensor(tuple(shape), itemsize, ident, elements) for shape, itemsize, ident, elements in items)
 
     return tuple(Op(name, kind, tensors(ins), tensors(outs), backward, tuple(args))
                  for name, kind, ins, outs, backward, args in rows)
@@ -154,15 +158,17 @@ def _expanded_loss(ops: list[Op], revision: str) -> list[Op]:
 def _sharded(op: Op, tensor_parallel: int, split_sizes: set[int]) -> Op:
     """Op `op` on one rank of `tensor_parallel` (docs/speed_model.md, "Tensor parallelism")."""
     def shard(t: Tensor) -> Tensor:
-        return replace(t, shape=tuple(d // tensor_parallel if d in split_sizes else d for d in t.shape))
+        shape = tuple(d // tensor_parallel if d in split_sizes else d for d in t.shape)
+        return replace(t, shape=shape, elements=t.elements * math.prod(shape) // max(1, math.prod(t.shape)))
 
     if op.kind == "gemm":
         a_index = 1 if op.name in ("addmm", "baddbmm") else 0
         a, b = op.inputs[a_index], op.inputs[a_index + 1]
+        tp = tensor_parallel
         if b.shape[-1] in split_sizes:  # column-parallel: N split
-            b = replace(b, shape=(*b.shape[:-1], b.shape[-1] // tensor_parallel))
+            b = replace(b, shape=(*b.shape[:-1], b.shape[-1] // tp), elements=b.elements // tp)
         else:  # row-parallel: K split
-            a = replace(a, shape=(*a.shape[:-1], a.shape[-1] // tensor_parallel))
+            a = replace(a, shape=(*a.shape[:-1], a.shape[-1] // tp), elements=a.elements // tp)
         inputs = (*op.inputs[:a_index], a, b, *op.inputs[a_index + 2:])
         return replace(op, inputs=inputs, outputs=tuple(shard(t) for t in op.outputs))
     return replace(op, inputs=tuple(shard(t) for t in op.inputs), outputs=tuple(shard(t) for t in op.outputs))
@@ -207,19 +213,36 @@ class StepTime:
         return self.micro_batches * self.micro_batch.seconds + self.optimizer.seconds
 
 
-def step_time(cfg, gpu: GPUKind, micro_batch: int, compiled: bool, revision: str = "HEAD",
-              cache: Path | None = TRACE_CACHE) -> StepTime:
+@dataclass(frozen=True)
+class StepOps:
+    """A step's ops: one micro-batch's forward and backward, and the gradients' and optimizer's kernels."""
+
+    micro_batch: list[Op]
+    optimizer: list[Op]
+    micro_batches: int
+    tokens: int
+    flops: float
+
+    def time(self, gpu: GPUKind, compiled: bool) -> StepTime:
+        return StepTime(self.micro_batches, stretch_cost(self.micro_batch, gpu, compiled),
+                        stretch_cost(self.optimizer, gpu, compiled=False), self.tokens, self.flops)
+
+
+def step_ops(cfg, micro_batch: int, revision: str = "HEAD", cache: Path | None = TRACE_CACHE) -> StepOps:
     """One training step on one GPU at tensor size 1: `tokens_per_step / (micro_batch · seq)` micro-batches,
-    the gradients' accumulation and bucket copies, and the optimizer step over every trainable parameter
-    (`optimizer` holds both)."""
+    the gradients' accumulation and bucket copies, and the optimizer step over every trainable parameter."""
     tokens = tokens_per_step(cfg)
     micro_batches = max(1, tokens // (micro_batch * model_of(cfg).seq_length))
-    shapes = cached_trace(cfg, cache).parameters
-    sizes = [int(torch.Size(s).numel()) for s in shapes]
-    optimizer = stretch_cost(gradient_ops(sizes, micro_batches)
-                             + optimizer_ops(code_version(revision), sizes), gpu, compiled=False)
-    return StepTime(micro_batches, micro_batch_time(cfg, gpu, micro_batch, 1, compiled, revision, cache),
-                    optimizer, tokens, tokens * flops_per_token(cfg))
+    traced = cached_trace(cfg, cache)
+    sizes = [int(torch.Size(s).numel()) for s in traced.parameters]
+    optimizer = gradient_ops(sizes, micro_batches) + optimizer_ops(code_version(revision), sizes)
+    return StepOps(_expanded_loss(micro_batch_ops(cfg, micro_batch, cache), revision), optimizer, micro_batches, tokens,
+                   tokens * flops_per_token(cfg))
+
+
+def step_time(cfg, gpu: GPUKind, micro_batch: int, compiled: bool, revision: str = "HEAD",
+              cache: Path | None = TRACE_CACHE) -> StepTime:
+    return step_ops(cfg, micro_batch, revision, cache).time(gpu, compiled)
 
 
 def step_summary(step: StepTime, gpu: GPUKind) -> dict:

@@ -4,21 +4,23 @@ The model is built as training builds it (`ora_megatron.stages.build_staged_gpt`
 DeepSpeed's bf16 engine casts it) inside `ora_megatron.device_branches.cuda_branches`, so every choice
 by device takes its CUDA branch (FlexAttention for document masks, megatron-core's fused
 bias-dropout-add, Hadamard Q/K over all tokens at once). A `TorchDispatchMode` records each aten op
-with its tensors' shapes, dtypes and identities; the calls that are one CUDA kernel on the GPU are
-recorded as one op each and stood in for on CPU, their own ops unrecorded:
+with its tensors' shapes, element sizes, identities and the elements their strides reach; the calls
+that are one CUDA kernel on the GPU are recorded as one op each and stood in for on CPU, their own ops
+unrecorded:
 
 - `scaled_dot_product_attention` (cuDNN/flash) and FlexAttention (compiled): "attention" forward and
   backward, with [b, heads, s, d];
 - the fused loss (`StagedGPT.fused_loss`, `ora_megatron.cross_entropy.linear_cross_entropy`): one
-  "loss" op with its tokens, width and vocabulary, costed by `pretrain.research.speed.loss_ops` for the
-  loss's code at the revision predicted;
+  "loss" op each way with its tokens, width and vocabulary, replaced by the kernels of
+  `pretrain.research.speed.code_versions.loss_ops` for the loss's code at the revision predicted;
 - megatron-core's bias-dropout-add, compiled by megatron on CUDA: one "fused" op.
 
 The model runs at micro-batches 2 and 3 with the real sequence length: every shape is affine in the
 micro-batch (tokens, batch), so `Trace.at(micro_batch)` gives the shapes of any micro-batch, the
 attention's s² terms exact. Micro-batch 1 is traced as it is (`trace_at_one`): there some layout changes
 are no-ops and launch nothing, which the affine extension would not see. The optimizer's step is not
-traced (DeepSpeed's ZeRO optimizer needs a GPU): `pretrain.research.speed.optimizer_ops` models it.
+traced (DeepSpeed's ZeRO optimizer needs a GPU): `pretrain.research.speed.code_versions.optimizer_ops`
+models it.
 """
 
 from __future__ import annotations
@@ -34,17 +36,19 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 # aten ops that launch no kernel: allocations and metadata (views are found by their schema).
-NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
-             "lift_fresh", "resize_", "set_", "_local_scalar_dense", "is_same_size", "_to_copy_meta"}
+NO_KERNEL = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+             "alias", "lift_fresh", "resize_", "set_", "_local_scalar_dense", "is_same_size", "_to_copy_meta"}
 
 
 @dataclass(frozen=True)
 class Tensor:
-    """A tensor an op reads or writes: its shape, element size and identity (views share their base's)."""
+    """A tensor an op reads or writes: its shape, element size, identity (views share their base's) and the
+    elements its strides reach (fewer than its shape's for broadcast or overlapping views: the bytes read)."""
 
     shape: tuple[int, ...]
     itemsize: int
     ident: int
+    elements: int
 
     @property
     def numel(self) -> int:
@@ -55,7 +59,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        return self.elements * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,14 @@ def op_kind(name: str, is_view: bool) -> str:
     return "gemm" if name in GEMMS else "memory"
 
 
+def reached_elements(t: torch.Tensor) -> int:
+    """The elements a strided tensor's indices reach: its numel, or its span where that is smaller."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return min(t.numel(), span)
+
+
 @dataclass
 class Recorder:
     ops: list[Op] = field(default_factory=list)
@@ -96,13 +108,17 @@ class Recorder:
         return self.idents[tensor]
 
     def described(self, tensors, alias_of: int | None = None) -> tuple[Tensor, ...]:
-        return tuple(Tensor(tuple(t.shape), t.element_size(), self.ident(t, alias_of))
+        return tuple(Tensor(tuple(t.shape), t.element_size(), self.ident(t, alias_of), reached_elements(t))
                      for t in tensors if isinstance(t, torch.Tensor))
 
     def record(self, name: str, kind: str, inputs, outputs, args: tuple = ()) -> None:
         ins = self.described(inputs)
         alias = ins[0].ident if kind == "view" and ins else None
-        self.ops.append(Op(name, kind, ins, self.described(outputs, alias), self.backward, args))
+        self.append(Op(name, kind, ins, self.described(outputs, alias), self.backward, args))
+
+    def append(self, op: Op) -> None:
+        if not self.quiet:
+            self.ops.append(op)
 
     @contextlib.contextmanager
     def silenced(self) -> Iterator[None]:
@@ -149,7 +165,7 @@ class _StandIn(torch.autograd.Function):
         metas = recorder.described(tensors)
         with recorder.silenced():
             out = torch.zeros(call.output[0], dtype=call.output[1])
-        recorder.ops.append(Op(call.name, call.kind, metas, recorder.described([out]), recorder.backward, call.args))
+        recorder.append(Op(call.name, call.kind, metas, recorder.described([out]), recorder.backward, call.args))
         ctx.call, ctx.metas = call, metas
         ctx.inputs = [(t.shape, t.dtype) for t in tensors]
         return out
@@ -162,8 +178,8 @@ class _StandIn(torch.autograd.Function):
                           for (shape, dtype), needed in zip(ctx.inputs, ctx.needs_input_grad[1:]))
         if call.backward_name is not None:
             written = recorder.described([g for g in grads if g is not None])
-            recorder.ops.append(Op(call.backward_name, call.kind, (*recorder.described([grad]), *ctx.metas),
-                                   written, True, call.args))
+            recorder.append(Op(call.backward_name, call.kind, (*recorder.described([grad]), *ctx.metas),
+                               written, True, call.args))
         return (None, *grads)
 
 
@@ -250,9 +266,15 @@ def traced_ops(cfg, micro_batch: int) -> list[Op]:
     recorder = Recorder()
     with cuda_branches(), _one_kernel_calls(recorder, model), _AttentionRecorder(recorder), \
             _DispatchRecorder(recorder):
-        loss = model(tokens, (tokens, torch.ones(shape)), **batch)
-        recorder.backward = True
-        loss.backward()
+        # A first, unrecorded step builds what the model caches on its first call (Hadamard Q/K's index
+        # maps, ORA's frozen Q/K): training repeats the steady step, not the first.
+        for recorded in (False, True):
+            with contextlib.nullcontext() if recorded else recorder.silenced():
+                recorder.backward = False
+                loss = model(tokens, (tokens, torch.ones(shape)), **batch)
+                recorder.backward = True
+                loss.backward()
+            model.zero_grad(set_to_none=True)
     return recorder.ops
 
 
@@ -270,7 +292,7 @@ class Trace:
 
 def _scaled_tensor(a: Tensor, b: Tensor, micro_batch: int) -> Tensor:
     shape = tuple(x + (y - x) * (micro_batch - 2) for x, y in zip(a.shape, b.shape))
-    return replace(a, shape=shape)
+    return replace(a, shape=shape, elements=a.elements + (b.elements - a.elements) * (micro_batch - 2))
 
 
 def _scaled(a: Op, b: Op, micro_batch: int) -> Op:
