@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from ora_megatron.config_io import ConfigError
-from pretrain.config.run_config import load_run_config
+from pretrain.config.run_config import RunConfig, load_run_config
 from pretrain.paths import preset_names, preset_path
 from pretrain.research.memory_model import DTYPE_BYTES, GIB, RESERVE_FRACTION, layout_of, plan
 
@@ -88,11 +88,10 @@ def table(config: str, result: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """The config and the flags that override it (shared with pretrain.research.speed_plan)."""
     parser.add_argument("--config", required=True, help="a preset name (pretrain/configs/) or a YAML file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override (repeatable)")
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
     parser.add_argument("--tp", type=int, help="tensor-parallel size (parallel.tensor)")
     parser.add_argument("--pp", type=int, help="pipeline-parallel size (parallel.pipeline)")
     parser.add_argument("--zero-stage", type=int, help="deepspeed.zero_stage")
@@ -100,6 +99,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=sorted(DTYPE_BYTES), help="deepspeed.precision")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="speed.activation_checkpointing=true")
+
+
+def load_config(args: argparse.Namespace, extra: list[str] = ()) -> tuple[Path, RunConfig]:
+    """The config file add_config_flags named, loaded with its overrides and `extra` after them
+    (ConfigError naming the key)."""
+    path = config_path(args.config)
+    return path, load_run_config(str(path), overrides(args) + list(extra))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_flags(parser)
+    parser.add_argument("--world-size", type=int, required=True, help="GPUs in the run")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
@@ -112,20 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--world-size", f"must be at least 1, got {args.world_size}")
         if not 0 < args.gpu_memory_gb < math.inf:  # also refuses nan
             raise ConfigError("--gpu-memory-gb", f"must be a positive number of GiB, got {args.gpu_memory_gb}")
-        path = config_path(args.config)
-        cfg = load_run_config(str(path), overrides(args))
+        path, cfg = load_config(args)
         layout_of(cfg, args.world_size)  # refuse a bad layout before building anything
     except (ConfigError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from ora_megatron.parallel import destroy_distributed, init_distributed
-
     with contextlib.redirect_stdout(sys.stderr):
-        init_distributed(1, 1, backend="gloo")
-        try:
+        from pretrain.checkpoint.consolidate import tp1_parallel_state
+
+        with tp1_parallel_state():
             result = plan(cfg, args.world_size, args.gpu_memory_gb)
-        finally:
-            destroy_distributed()
     print(json.dumps({"config": str(path), **result}, indent=2) if args.json else table(path.name, result))
     return 0
 

@@ -31,7 +31,7 @@ from pretrain.research.speed.code_versions import (
 )
 from pretrain.research.speed.cost import CATEGORIES, StretchCost, stretch_cost
 from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
-from pretrain.research.speed.trace import Op, Tensor, Trace, trace
+from pretrain.research.speed.trace import Op, Tensor, Trace, trace, trace_at_one
 
 TRACE_CACHE = Path(__file__).resolve().parents[3] / "runs" / "speed_traces"
 TRACE_FORMAT = 4  # bumped when the cached JSON's fields change
@@ -94,19 +94,49 @@ def _ops_of(rows) -> tuple[Op, ...]:
                  for name, kind, ins, outs, backward, args in rows)
 
 
-def cached_trace(cfg, cache: Path | None = TRACE_CACHE) -> Trace:
-    """`trace(cfg)`, kept as JSON under `cache` per model shape (None: not kept)."""
-    path = None if cache is None else cache / f"{_trace_key(cfg)}.json"
+# Traces parsed in this process, one per cache file: read once, however many layouts a plan prices.
+_PARSED: dict[Path, object] = {}
+
+
+def _cached(path: Path | None, build, to_json, from_json):
+    if path is not None and path in _PARSED:
+        return _PARSED[path]
     if path is not None and path.exists():
-        data = json.loads(path.read_text())
-        return Trace(_ops_of(data["at_two"]), _ops_of(data["at_three"]),
-                     tuple(tuple(shape) for shape in data["parameters"]))
-    traced = trace(cfg)
+        value = from_json(json.loads(path.read_text()))
+    else:
+        value = build()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(to_json(value)))
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"at_two": _ops_json(traced.at_two), "at_three": _ops_json(traced.at_three),
-                                    "parameters": [list(s) for s in traced.parameters]}))
-    return traced
+        _PARSED[path] = value
+    return value
+
+
+def _trace_json(traced: Trace) -> dict:
+    return {"at_two": _ops_json(traced.at_two), "at_three": _ops_json(traced.at_three),
+            "parameters": [list(s) for s in traced.parameters]}
+
+
+def _trace_of(data: dict) -> Trace:
+    return Trace(_ops_of(data["at_two"]), _ops_of(data["at_three"]), tuple(tuple(s) for s in data["parameters"]))
+
+
+def cached_trace(cfg, cache: Path | None = TRACE_CACHE) -> Trace:
+    """`trace(cfg)`, kept as JSON under `cache` per model shape and in memory once read (None: not kept)."""
+    path = None if cache is None else cache / f"{_trace_key(cfg)}.json"
+    return _cached(path, lambda: trace(cfg), _trace_json, _trace_of)
+
+
+def micro_batch_ops(cfg, micro_batch: int, cache: Path | None = TRACE_CACHE) -> list[Op]:
+    """One micro-batch's ops: micro-batch 1 from its own trace (kept as cached_trace keeps), larger ones
+    extended from the trace at 2 and 3."""
+    if micro_batch < 1:
+        raise ValueError(f"a micro-batch holds at least 1 sequence, got {micro_batch}")
+    if micro_batch > 1:
+        return cached_trace(cfg, cache).at(micro_batch)
+    path = None if cache is None else cache / f"{_trace_key(cfg)}.at_one.json"
+    return list(_cached(path, lambda: trace_at_one(cfg), _ops_json, _ops_of))
 
 
 # --------------------------------------------------------------------------- the interface
@@ -149,9 +179,7 @@ def micro_batch_time(cfg, gpu: GPUKind, micro_batch: int, tensor_parallel: int =
     """One micro-batch's forward and backward on one GPU (its tensor-parallel shard, communication left
     out), per category, with the host's time: `.seconds` is max(device, host). `cfg`: a RunConfig (the
     preset with its overrides); `revision`: whose loss code (code_versions.CODE_VERSIONS)."""
-    if micro_batch < 2:
-        raise ValueError("the trace extends to micro-batches of 2 or more")
-    ops = _expanded_loss(cached_trace(cfg, cache).at(micro_batch), revision)
+    ops = _expanded_loss(micro_batch_ops(cfg, micro_batch, cache), revision)
     if tensor_parallel > 1:
         model = model_of(cfg)
         split = {model.ffn_size, 3 * model.hidden_size, model.num_attention_heads, ops_vocab(ops)}
@@ -208,7 +236,7 @@ def step_ops(cfg, micro_batch: int, revision: str = "HEAD", cache: Path | None =
     traced = cached_trace(cfg, cache)
     sizes = [int(torch.Size(s).numel()) for s in traced.parameters]
     optimizer = gradient_ops(sizes, micro_batches) + optimizer_ops(code_version(revision), sizes)
-    return StepOps(_expanded_loss(traced.at(micro_batch), revision), optimizer, micro_batches, tokens,
+    return StepOps(_expanded_loss(micro_batch_ops(cfg, micro_batch, cache), revision), optimizer, micro_batches, tokens,
                    tokens * flops_per_token(cfg))
 
 

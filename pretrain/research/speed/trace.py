@@ -17,9 +17,10 @@ unrecorded:
 
 The model runs at micro-batches 2 and 3 with the real sequence length: every shape is affine in the
 micro-batch (tokens, batch), so `Trace.at(micro_batch)` gives the shapes of any micro-batch, the
-attention's s² terms exact. (At micro-batch 1 some layout changes are no-ops and launch nothing.) The
-optimizer's step is not traced (DeepSpeed's ZeRO optimizer needs a GPU):
-`pretrain.research.speed.code_versions.optimizer_ops` models it.
+attention's s² terms exact. Micro-batch 1 is traced as it is (`trace_at_one`): there some layout changes
+are no-ops and launch nothing, which the affine extension would not see. The optimizer's step is not
+traced (DeepSpeed's ZeRO optimizer needs a GPU): `pretrain.research.speed.code_versions.optimizer_ops`
+models it.
 """
 
 from __future__ import annotations
@@ -143,30 +144,50 @@ class _DispatchRecorder(TorchDispatchMode):
         return out
 
 
+@dataclass(frozen=True)
+class _StandInCall:
+    recorder: Recorder
+    name: str
+    kind: str
+    output: tuple[torch.Size, torch.dtype]
+    args: tuple
+    backward_name: str | None
+
+
+class _StandIn(torch.autograd.Function):
+    """One recorded op each way. It keeps no tensor: a class defined per call whose closure held the inputs
+    outlived the autograd graph (a cycle through the graph's C++ nodes that Python's collector cannot see),
+    keeping every traced model's parameters and activations alive."""
+
+    @staticmethod
+    def forward(ctx, call: _StandInCall, *tensors):
+        recorder = call.recorder
+        metas = recorder.described(tensors)
+        with recorder.silenced():
+            out = torch.zeros(call.output[0], dtype=call.output[1])
+        recorder.append(Op(call.name, call.kind, metas, recorder.described([out]), recorder.backward, call.args))
+        ctx.call, ctx.metas = call, metas
+        ctx.inputs = [(t.shape, t.dtype) for t in tensors]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        call, recorder = ctx.call, ctx.call.recorder
+        with recorder.silenced():
+            grads = tuple(torch.zeros(shape, dtype=dtype) if needed else None
+                          for (shape, dtype), needed in zip(ctx.inputs, ctx.needs_input_grad[1:]))
+        if call.backward_name is not None:
+            written = recorder.described([g for g in grads if g is not None])
+            recorder.append(Op(call.backward_name, call.kind, (*recorder.described([grad]), *ctx.metas),
+                               written, True, call.args))
+        return (None, *grads)
+
+
 def stand_in(recorder: Recorder, name: str, kind: str, output: tuple[torch.Size, torch.dtype],
              inputs: tuple[torch.Tensor, ...], args: tuple = (), backward_name: str | None = None):
     """Record one op forward (and `backward_name` backward, reading the output's gradient and the inputs),
     returning zeros of the real output's shape: the real kernel's values do not change which ops follow."""
-    metas = recorder.described(inputs)
-
-    class StandIn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *tensors):
-            with recorder.silenced():
-                out = torch.zeros(output[0], dtype=output[1])
-            recorder.append(Op(name, kind, metas, recorder.described([out]), recorder.backward, args))
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            with recorder.silenced():
-                grads = tuple(None if not t.requires_grad else torch.zeros_like(t) for t in inputs)
-            if backward_name is not None:
-                written = recorder.described([g for g in grads if g is not None])
-                recorder.append(Op(backward_name, kind, (*recorder.described([grad]), *metas), written, True, args))
-            return grads
-
-    return StandIn.apply(*inputs)
+    return _StandIn.apply(_StandInCall(recorder, name, kind, output, args, backward_name), *inputs)
 
 
 class _AttentionRecorder(TorchFunctionMode):
@@ -225,6 +246,19 @@ def _one_kernel_calls(recorder: Recorder, model: torch.nn.Module):
     return stack
 
 
+@contextlib.contextmanager
+def _torch_linear() -> Iterator[None]:
+    """torch's own F.linear for the block: a ZeRO-3 engine built earlier in this process has replaced it
+    with DeepSpeed's (its "memory efficient linear", which "will persist unless manually reset"), a matmul
+    and an add where the traced step, ZeRO-1/2's, runs one addmm."""
+    patched = torch.nn.functional.linear
+    torch.nn.functional.linear = torch._C._nn.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = patched
+
+
 def traced_ops(cfg, micro_batch: int) -> list[Op]:
     """The ops of one micro-batch's forward and backward at `micro_batch` (megatron's parallel state
     must be set up for tensor and pipeline size 1)."""
@@ -243,7 +277,7 @@ def traced_ops(cfg, micro_batch: int) -> list[Op]:
         batch["document_ids"] = (torch.arange(model_cfg.seq_length) >= half).long().expand(shape)
         batch["position_ids"] = (torch.arange(model_cfg.seq_length) % half).expand(shape)
     recorder = Recorder()
-    with cuda_branches(), _one_kernel_calls(recorder, model), _AttentionRecorder(recorder), \
+    with cuda_branches(), _torch_linear(), _one_kernel_calls(recorder, model), _AttentionRecorder(recorder), \
             _DispatchRecorder(recorder):
         # A first, unrecorded step builds what the model caches on its first call (Hadamard Q/K's index
         # maps, ORA's frozen Q/K): training repeats the steady step, not the first.
@@ -282,17 +316,24 @@ def _scaled(a: Op, b: Op, micro_batch: int) -> Op:
 
 
 def trace(cfg) -> Trace:
-    """The trace of `cfg`'s model (tensor and pipeline size 1) on CPU, megatron's state set up around it."""
-    from ora_megatron.parallel import destroy_distributed, init_distributed
+    """The trace of `cfg`'s model (tensor and pipeline size 1) on CPU, in megatron's TP=1 state: joined if
+    the caller holds it, else set up and torn down around the trace."""
     from ora_megatron.stages import build_staged_gpt
+    from pretrain.checkpoint.consolidate import tp1_parallel_state
 
-    init_distributed(1, 1, backend="gloo", alone=True)
-    try:
+    with tp1_parallel_state():
         two, three = traced_ops(cfg, 2), traced_ops(cfg, 3)
-        model = build_staged_gpt(cfg.model, cfg.parallel)
+        with torch.device("meta"):
+            model = build_staged_gpt(cfg.model, cfg.parallel)
         shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
-    finally:
-        destroy_distributed()
     if len(two) != len(three):
         raise RuntimeError(f"the traces at micro-batches 2 and 3 differ in length: {len(two)} / {len(three)}")
     return Trace(tuple(two), tuple(three), shapes)
+
+
+def trace_at_one(cfg) -> tuple[Op, ...]:
+    """The ops of one micro-batch of 1 sequence, traced as `trace` traces (the module docstring)."""
+    from pretrain.checkpoint.consolidate import tp1_parallel_state
+
+    with tp1_parallel_state():
+        return tuple(traced_ops(cfg, 1))

@@ -87,7 +87,7 @@ def test_paper_presets(name, layers, width, heads, ffn, steps, lr, min_lr_ratio,
     assert cfg["parallel"] == {"tensor": 1, "pipeline": 1}
     train = cfg["train"]
     # Global batch 128 everywhere; the micro-batch is each recipe's (README: 1, 2 and 4 nodes, no accumulation).
-    assert (train["micro_batch_size"], train["global_batch_size"]) == ({"small": 16}.get(name, 8), 128)
+    assert (train["micro_batch_size"], train["global_batch_size"]) == ({"small": 16, "base": 8, "large": 4}[name], 128)
     assert (train["log_interval"], train["eval_interval"], cfg["eval"]["iters"]) == (10, 1000, 50)
     assert cfg["eval"]["early_stopping"] == {"enabled": False, "patience": 10, "min_delta": 0.001}
     assert (opt["decay_style"], opt["restart_cycle_steps"], opt["restart_peak_decay"], opt["decay_power"]) == schedule
