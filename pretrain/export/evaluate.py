@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pretrain.export.export_record import read_export_record
-from pretrain.job.environment import keep_offline
+from pretrain.job.environment import keep_offline, keep_wandb_offline
 from pretrain.job.extras import needs_extra
 from pretrain.run_files.run_dir import RunDir, write_text_atomic
 
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.online:
         keep_offline()  # before lm-eval imports the Hugging Face libraries, which read it at import
+        keep_wandb_offline("disabled")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
         if not tasks:

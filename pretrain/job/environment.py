@@ -17,15 +17,16 @@ HUB_OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "
                            "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
-def keep_offline(wandb_mode: str = "disabled") -> None:
-    """Keep this process, and the workers it starts (they inherit its environment), off the network;
-    wandb alone may use it, when `wandb_mode` is "online".
-
-    Call it before any of them is imported: the Hugging Face libraries read these variables at
-    import, and wandb's telemetry takes its mode from the environment only
-    (`wandb.init(mode="offline")` alone still lets it contact its server).
-    """
+def keep_offline() -> None:
+    """Keep this process, and the workers it starts (they inherit its environment), off the Hugging Face
+    hub: call it before any Hugging Face library is imported, as they read these variables at import."""
     os.environ.update(HUB_OFFLINE_ENVIRONMENT)
+
+
+def keep_wandb_offline(wandb_mode: str) -> None:
+    """wandb may use the network when `wandb_mode` is "online" only. Call it before wandb is imported (its
+    workers inherit it): wandb's telemetry takes its mode from the environment alone
+    (`wandb.init(mode="offline")` still lets it contact its server)."""
     if wandb_mode != "online":
         os.environ["WANDB_MODE"] = wandb_mode
 

@@ -27,7 +27,7 @@ from ora_megatron.config_io import ConfigError, to_dict
 from pretrain.checkpoint.resume_check import ResumePlan, ResumeRefused, check_resume, nothing_to_train, recorded_model
 from pretrain.config.init_from import ImportRefused
 from pretrain.config.run_config import RunConfig, for_world, load_run_config, validate_for_world
-from pretrain.job.environment import keep_offline
+from pretrain.job.environment import keep_offline, keep_wandb_offline
 from pretrain.job.exit_status import EXIT_CONFIG_ERROR
 from pretrain.job.supervision import die_with_launcher
 from pretrain.launch.supervisor import StopJob
@@ -132,19 +132,20 @@ def resolve(args: argparse.Namespace, under_launcher: bool) -> Start:
 
 def _configured(args: argparse.Namespace, under_launcher: bool) -> Start:
     """The YAML with its overrides, checked for the process count and taken to it (for_world), and its data."""
+    keep_offline()  # before anything imports a Hugging Face library (the data check's tokenizer may)
     try:
         cfg = load_run_config(args.config, args.set)
+        if not cfg.data.mock:  # (megatron-core's datasets take seconds to import: only for data to check)
+            from pretrain.runtime.data import check_data
+
+            check_data(cfg)
         if under_launcher:
             world_size = int(os.environ["WORLD_SIZE"])
         else:
             world_size = args.nproc_per_node if args.world_size is None else args.world_size
         configured, cfg = cfg, for_world(cfg, world_size)
         grad_accum = validate_for_world(configured, world_size)
-        keep_offline(cfg.logging.wandb_mode)  # before anything imports wandb or a Hugging Face library
-        if not cfg.data.mock:  # (megatron-core's datasets take seconds to import: only for data to check)
-            from pretrain.runtime.data import check_data
-
-            check_data(cfg)
+        keep_wandb_offline(cfg.logging.wandb_mode)  # before anything imports wandb
     except (ConfigError, OSError, yaml.YAMLError) as e:
         raise StartRefused(str(e)) from e
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)

@@ -83,8 +83,9 @@ def command(config: Path, run_dir: Path, overrides=(), nproc: int = 1) -> list[s
 
 def keep_environment(monkeypatch) -> None:
     """The entry, run in this process, leaves this process's environment as it is: main() would set
-    the offline variables in it (config.keep_offline)."""
-    monkeypatch.setattr(start, "keep_offline", lambda wandb_mode: None)
+    the offline variables in it (environment.keep_offline, keep_wandb_offline)."""
+    monkeypatch.setattr(start, "keep_offline", lambda: None)
+    monkeypatch.setattr(start, "keep_wandb_offline", lambda wandb_mode: None)
 
 
 def forbid_workers(monkeypatch) -> None:
