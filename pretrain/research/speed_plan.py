@@ -83,7 +83,7 @@ class SpeedPlanner:
         self._micro_batch_s: dict[str, float] = {}
 
     def cut(self, cfg: RunConfig) -> tuple[list, list[list[memory_model.Shard]]]:
-        key = repr((cfg.model, cfg.parallel, cfg.train.freeze_stages, cfg.optimizer.weight_decay))
+        key = repr((cfg.model, cfg.parallel, cfg.freeze.stages, cfg.optimizer.weight_decay))
         if key not in self._cuts:
             from pretrain.checkpoint.consolidate import tp1_parallel_state  # imports DeepSpeed, which logs to stdout
 
