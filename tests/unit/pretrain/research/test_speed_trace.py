@@ -47,7 +47,9 @@ def test_a_trace_keeps_nothing_it_built(cfg):
     trace(cfg)  # first-use state (imports, lazily made globals) out of the count
     before = _live_tensors()
     trace(cfg)
-    assert _live_tensors() == before
+    # None added (a leak grows by the model's parameters and activations, hundreds of tensors); fewer is
+    # fine: megatron state an earlier test of this process left may be torn down with the trace's own.
+    assert _live_tensors() <= before
 
 
 @slow
