@@ -240,5 +240,6 @@ def launched_worker(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     # Rank 0 adopted a handed-down lock as it resolved the start (start.lock); the others adopt it here.
-    with RunDir(start.run_dir).handed_down_lock():
-        return train_worker(RunDir(start.run_dir), start.cfg, start.finished if start.resolves else None)
+    run_dir = RunDir(start.run_dir)
+    with run_dir.handed_down_lock():
+        return train_worker(run_dir, start.cfg, start.finished if start.resolves else None)
