@@ -250,7 +250,9 @@ def measure_profile(out: Path, budget: Budget, preset: str, arm: str, steps: int
     trace = out / "profile" / f"{preset}-{arm}.json.gz"
     try:
         events = profile_arm(preset, arm, steps, sets, trace)
-        where = breakdown(load_events(trace), steps, (FUSED_LOSS_OP,))
+        from pretrain.research.benchmarks.compare_arms import PROFILED_STRETCHES
+
+        where = breakdown(load_events(trace), steps, (FUSED_LOSS_OP, *PROFILED_STRETCHES))
         return {"outcome": asdict(Outcome("ok", time.monotonic() - start)), "trace": str(trace.relative_to(out)),
                 "events": events, "breakdown": where}
     except Exception:  # one arm's failure (out of memory, say) is its row's, not the report's

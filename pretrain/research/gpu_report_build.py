@@ -222,6 +222,14 @@ def markdown(report: dict) -> str:
                     [[row["preset"], row["arm"], f"{where['kernels_per_step']:.0f}", f"{where['kernel_ms']:.1f}",
                       _cell(where["busy_share"], "{:.0%}"), *_breakdown_cells(where)]
                      for row in profile["rows"] if (where := row.get("breakdown"))])
+    stretches = [[row["preset"], row["arm"], name, f"{v['kernels']:.0f}", f"{v['host_ms']:.1f}", f"{v['busy_ms']:.1f}",
+                  f"{v['wall_ms']:.1f}"]
+                 for row in profile["rows"] if (where := row.get("breakdown"))
+                 for name, v in where["ops"].items() if name != FUSED_LOSS_OP and "host_ms" in v]
+    if stretches:
+        lines += ["", "Each stretch of a step (compare_arms' profiler ranges; host: the time inside the range, "
+                  "wall: from its start to its last kernel's end; the profiler slows the host):", ""]
+        lines += _table(["preset", "arm", "stretch", "kernels", "host ms", "device busy ms", "wall ms"], stretches)
     lines += ["", f"## Top CUDA kernels by self device time (torch.profiler, {profile['steps']} steps)", ""]
     lines += _table(["preset", "arm", "#", "kernel", "self ms", "calls", "share"],
                     [[row["preset"], row["arm"], str(rank), f"`{_cell(kernel['name'][:90])}`",

@@ -5,10 +5,12 @@
 The traces are the GPU report's (DIR/profile/PRESET-ARM.json.gz, `--steps` its --profile-steps). Per trace,
 per step: the kernels launched, the span from the first kernel's start to the last one's end, the time at
 least one kernel ran (busy) and its share of the span, the kernel time by category (GEMM, attention, layer
-norm, softmax, ...: `category`, from the kernel's name), and the kernel time launched from inside each
-`--op` (a CPU operator or autograd function by name: `_LinearCrossEntropy` is the fused output projection
-and loss), GEMMs apart. The profiler slows the host, so the busy share of a profiled span is a lower bound
-of an unprofiled step's.
+norm, softmax, ...: `category`, from the kernel's name), and what each `--op` (a CPU operator, autograd
+function or profiler range by name: `_LinearCrossEntropy` is the fused output projection and loss; the GPU
+report's steps name their stretches `compare_arms.PROFILED_STRETCHES`) launched: its kernel time, GEMMs
+apart, its kernels, the host's time inside it, the device's busy time on its kernels and its wall time
+(from its start to its last kernel's end): the step-time model's stretches, measured. The profiler slows
+the host, so the busy share of a profiled span is a lower bound of an unprofiled step's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ CATEGORIES = (
 )
 OTHER = "other"
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # cuBLAS launches its GEMMs through the driver API
+# Events on the GPU's timeline; a profiler range has a twin there under its own name.
+DEVICE_SIDE = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
 def category(kernel_name: str) -> str:
@@ -58,20 +62,36 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def _launched_under(kernels: list[dict], launches: dict, events: list[dict], op: str) -> list[dict]:
-    """The kernels whose launch (`launches`: correlation id → host time) happened while a CPU event named
-    `op` ran."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == op and e.get("ph") == "X")
-    starts = [start for start, _ in spans]
-    inside = []
+def _launched_under(kernels: list[dict], launches: dict, events: list[dict], op: str) -> list[tuple[dict, list[dict]]]:
+    """Each CPU event named `op` with the kernels launched while it ran (`launches`: correlation id → host
+    time)."""
+    spans = sorted((e for e in events
+                    if e.get("name") == op and e.get("ph") == "X" and e.get("cat") not in DEVICE_SIDE),
+                   key=lambda e: e["ts"])
+    starts = [e["ts"] for e in spans]
+    inside: list[list[dict]] = [[] for _ in spans]
     for kernel in kernels:
         launched = launches.get(kernel.get("args", {}).get("correlation"))
         if launched is None:
             continue
         index = bisect.bisect_right(starts, launched) - 1
-        if index >= 0 and launched <= spans[index][1]:
-            inside.append(kernel)
-    return inside
+        if index >= 0 and launched <= spans[index]["ts"] + spans[index]["dur"]:
+            inside[index].append(kernel)
+    return list(zip(spans, inside))
+
+
+def _under_op(instances: list[tuple[dict, list[dict]]], steps: int) -> dict:
+    """Per step, what an operator's instances launched: GEMM and other kernel ms, kernels, the host's time
+    inside the operator, the device's busy time on its kernels, and its wall time (from the operator's
+    start to the end of its last kernel, or of the operator if later): a stretch takes its wall time."""
+    kernels = [k for _, inside in instances for k in inside]
+    gemm = sum(k["dur"] for k in kernels if category(k["name"]) == "gemm")
+    host = sum(e["dur"] for e, _ in instances)
+    busy = sum(_busy_us([(k["ts"], k["ts"] + k["dur"]) for k in inside]) for _, inside in instances)
+    wall = sum(max([e["ts"] + e["dur"], *(k["ts"] + k["dur"] for k in inside)]) - e["ts"] for e, inside in instances)
+    return {"gemm_ms": gemm / 1e3 / steps, "other_ms": (sum(k["dur"] for k in kernels) - gemm) / 1e3 / steps,
+            "kernels": len(kernels) / steps, "host_ms": host / 1e3 / steps, "busy_ms": busy / 1e3 / steps,
+            "wall_ms": wall / 1e3 / steps}
 
 
 def breakdown(events: list[dict], steps: int, ops: tuple[str, ...] = ()) -> dict:
@@ -86,11 +106,7 @@ def breakdown(events: list[dict], steps: int, ops: tuple[str, ...] = ()) -> dict
     for kernel in kernels:
         name = category(kernel["name"])
         per_category[name] = per_category.get(name, 0.0) + kernel["dur"]
-    under = {}
-    for op in ops:
-        inside = _launched_under(kernels, launches, events, op)
-        gemm = sum(k["dur"] for k in inside if category(k["name"]) == "gemm")
-        under[op] = {"gemm_ms": gemm / 1e3 / steps, "other_ms": (sum(k["dur"] for k in inside) - gemm) / 1e3 / steps}
+    under = {op: _under_op(_launched_under(kernels, launches, events, op), steps) for op in ops}
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / 1e3 / steps,
             "busy_ms": busy / 1e3 / steps, "busy_share": busy / span if span else None,
             "kernel_ms": sum(k["dur"] for k in kernels) / 1e3 / steps,
@@ -108,6 +124,10 @@ def table(name: str, result: dict) -> str:
     lines += [f"| {cat} | {ms:.1f} | {ms / total:.0%} |" for cat, ms in result["categories"].items()]
     lines += [f"| launched inside {op}: GEMMs / the rest | {v['gemm_ms']:.1f} / {v['other_ms']:.1f} | "
               f"{(v['gemm_ms'] + v['other_ms']) / total:.0%} |" for op, v in result["ops"].items()]
+    if result["ops"]:
+        lines += ["", "| inside | kernels a step | host ms | device busy ms | wall ms |", "|---|---|---|---|---|"]
+        lines += [f"| {op} | {v['kernels']:.0f} | {v['host_ms']:.1f} | {v['busy_ms']:.1f} | {v['wall_ms']:.1f} |"
+                  for op, v in result["ops"].items()]
     return "\n".join(lines)
 
 

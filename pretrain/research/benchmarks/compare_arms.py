@@ -60,6 +60,7 @@ import typing
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 from ora_megatron.builder import padded_vocab_size
@@ -77,6 +78,10 @@ if typing.TYPE_CHECKING:  # the engine imports DeepSpeed: only when an arm is bu
     from pretrain.runtime.engine import TrainEngine
 
 SCHEMA = "ora-bench/1"
+# A step's stretches as profiler ranges (the GPU report's profile reads them, pretrain.research.trace_breakdown):
+# each micro-batch's forward and backward, the last one's apart (its backward runs ZeRO's gradient hooks),
+# and DeepSpeed's step calls (the optimizer's at the accumulation boundary).
+PROFILED_STRETCHES = ("micro_batch", "last_micro_batch", "optimizer_step")
 ATTENTION_TYPES = typing.get_args(AttentionType)
 
 
@@ -167,13 +172,17 @@ class Arm:
 
         ds_engine = self.train_engine.ds_engine
         self.train_engine.scheduler.step(1)
+        micro_batch, last_micro_batch, optimizer_step = PROFILED_STRETCHES
         for micro in range(self.grad_accum):
             batch = batches[(step * self.grad_accum + micro) % len(batches)]
-            with forward_context(micro):
-                loss = batch_loss(ds_engine, batch)
-            self.train_engine.backward(loss, last_micro_batch=micro == self.grad_accum - 1)
-            after_backward(micro)
-            ds_engine.step()
+            last = micro == self.grad_accum - 1
+            with record_function(last_micro_batch if last else micro_batch):
+                with forward_context(micro):
+                    loss = batch_loss(ds_engine, batch)
+                self.train_engine.backward(loss, last_micro_batch=last)
+                after_backward(micro)
+            with record_function(optimizer_step):
+                ds_engine.step()
         self.losses.append(loss.item())
 
     def inference(self, batch) -> None:

@@ -161,3 +161,35 @@ def test_orthogonal_draws_benchmark_times_every_method_and_measures_orthogonalit
         assert len(row["draw_s_all"]) == 2 and row["model_draw_s"] == pytest.approx(2 * row["draw_s_median"])
         assert row["orthogonality_error"] < 1e-5
     assert "1 of 2 (scaled)" in table.read_text() and "| tiny | 2, 64, 4, 16 | cayley |" in capsys.readouterr().out
+
+
+def test_a_profiled_step_names_its_stretches(tmp_path):
+    """The GPU report's profile splits a step by compare_arms' ranges: with 2 micro-batches, one plain
+    micro-batch, one last micro-batch and a DeepSpeed step call after each, each found with its host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pretrain.research.benchmarks.compare_arms import PROFILED_STRETCHES, Arm, arm_config, synthetic_batches
+    from pretrain.research.trace_breakdown import breakdown, load_events
+    from pretrain.runtime.engine import build_engine
+
+    from ora_megatron.parallel import destroy_distributed, init_distributed
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    cfg, grad_accum = arm_config(str(config), [], "ora")
+    init_distributed(1, 1, backend="gloo")
+    try:
+        runner = Arm("ora", cfg, grad_accum, build_engine(cfg, grad_accum))
+        batches = synthetic_batches(cfg.model, cfg.train.micro_batch_size, count=2)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            runner.train_step(batches, 0)
+    finally:
+        destroy_distributed()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = load_events(trace)
+    ranges = [e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"] in PROFILED_STRETCHES]
+    assert sorted(ranges) == ["last_micro_batch", "micro_batch", "optimizer_step", "optimizer_step"]
+    where = breakdown(events, 1, PROFILED_STRETCHES)["ops"]
+    for name in PROFILED_STRETCHES:  # no kernels on CPU: a stretch's wall time is its host time
+        assert where[name]["host_ms"] > 0 and where[name]["wall_ms"] == pytest.approx(where[name]["host_ms"]), name

@@ -74,7 +74,10 @@ def measurements() -> dict:
                                               "steps": 3, "kernels_per_step": 4192.0, "span_ms": 290.2,
                                               "busy_ms": 154.7, "busy_share": 0.533, "kernel_ms": 154.7,
                                               "categories": {"gemm": 58.7, "elementwise": 32.6, "attention": 16.1},
-                                              "ops": {"_LinearCrossEntropy": {"gemm_ms": 13.2, "other_ms": 27.0}}}},
+                                              "ops": {"_LinearCrossEntropy": {"gemm_ms": 13.2, "other_ms": 27.0},
+                                                      "optimizer_step": {
+                                                          "gemm_ms": 0.0, "other_ms": 4.0, "kernels": 20.0,
+                                                          "host_ms": 40.0, "busy_ms": 4.0, "wall_ms": 41.0}}}},
                               "ora": {"outcome": outcome("skipped", "the time budget is spent")}}},
     }
 
@@ -179,6 +182,7 @@ def test_markdown_has_a_table_per_section():
     assert "| small | vanilla | 250.0 | 200.0–300.0 | 262,144 | 262.1 | 26.5% | 4.00 | 8.00 | 0.50 |" in text
     assert "H100 SXM bf16 dense 989.5 TFLOP/s" in text and "| revision | `e36b532` |" in text
     assert "| small | vanilla | 4192 | 154.7 | 53% | 58.7 | 16.1 | 79.9 | 13.2 / 27.0 |" in text
+    assert "| small | vanilla | optimizer_step | 20 | 40.0 | 4.0 | 41.0 |" in text  # a stretch of the step
     assert "| bench | base | timed out | 12 | logs/x.log | stopped after 180 s |" in text
 
 

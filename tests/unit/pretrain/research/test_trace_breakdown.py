@@ -24,6 +24,8 @@ def trace() -> list[dict]:
     the host), then an elementwise kernel and a layer norm outside it; the GEMM and softmax overlap."""
     return [
         {"cat": "cpu_op", "name": "_LinearCrossEntropy", "ph": "X", "ts": 100, "dur": 100},
+        # the profiler's twin of a range on the GPU's timeline: not a host range
+        {"cat": "gpu_user_annotation", "name": "_LinearCrossEntropy", "ph": "X", "ts": 1000, "dur": 600},
         launch(110, 1, "cuda_driver"), launch(120, 2), launch(300, 3), launch(310, 4),
         kernel("nvjet_sm90_tst_256x128_NNT", 1000, 400, 1),
         kernel("void cunn_SoftMaxForward<4, float>", 1200, 400, 2),  # overlaps the GEMM by 200 µs
@@ -43,8 +45,12 @@ def test_breakdown_per_step():
     assert result["categories"] == pytest.approx({"gemm": 0.2, "softmax": 0.2, "elementwise": 0.05,
                                                   "layer norm": 0.05, "other": 0.0})
     assert list(result["categories"])[:2] == ["gemm", "softmax"]  # largest first
-    assert result["ops"]["_LinearCrossEntropy"] == pytest.approx({"gemm_ms": 0.2, "other_ms": 0.2})
-    assert result["ops"]["absent_op"] == {"gemm_ms": 0.0, "other_ms": 0.0}
+    # Launched inside the operator (100-200 µs on the host): the GEMM and the softmax, busy 1000-1600 µs on
+    # the device; its wall time runs from the operator's start to the softmax's end.
+    assert result["ops"]["_LinearCrossEntropy"] == pytest.approx(
+        {"gemm_ms": 0.2, "other_ms": 0.2, "kernels": 1.0, "host_ms": 0.05, "busy_ms": 0.3, "wall_ms": 0.75})
+    assert result["ops"]["absent_op"] == {"gemm_ms": 0.0, "other_ms": 0.0, "kernels": 0.0, "host_ms": 0.0,
+                                          "busy_ms": 0.0, "wall_ms": 0.0}
 
 
 @pytest.mark.parametrize("name, expected", [
