@@ -8,7 +8,7 @@ project's op graph). Each is predicted at the code its measurement ran (`code_ve
 kernels and the per-tensor non-finite check of that revision); the layers' ops are HEAD's trace.
 `--profiles`: the kernel time a step by category against the profiles' (trace_breakdown.json).
 `--next-window`: the model's predictions for the runs docs/results/gpu/README.md lists for the next GPU
-window (HEAD's code), before they are measured.
+window (HEAD's code), before they are measured: each run's step, then the stretches of the profiled ones.
 """
 
 from __future__ import annotations
@@ -108,6 +108,25 @@ def next_window() -> str:
     return "\n".join(lines)
 
 
+def stretch_predictions() -> str:
+    """The model's stretches of the next window's profiled runs (ORA, eager, micro-batch 64, HEAD): each
+    micro-batch's forward and backward, and the optimizer's stretch, in which the model counts the
+    gradients' accumulation and ZeRO's bucket copies (`code_versions`): kernels, device, host and stretch
+    ms (the larger of the two)."""
+    from pretrain.research.speed.step_time import load_config, step_ops
+
+    lines = ["| preset | GPU | stretch | kernels | device ms | host ms | stretch ms |", "|---|---|---|---|---|---|---|"]
+    for preset in ("base", "small"):
+        cfg = load_config(preset, ["train.micro_batch_size=64", *arm_overrides("ora")])
+        ops = step_ops(cfg, 64)
+        for key in ("h100", "h200"):
+            step = ops.time(gpu_kind(key), compiled=False)
+            for name, stretch in (("each micro-batch", step.micro_batch), ("optimizer", step.optimizer)):
+                lines.append(f"| {preset} | {key} | {name} | {stretch.kernels} | {stretch.device_s * 1e3:.1f} | "
+                             f"{stretch.host_s * 1e3:.1f} | {stretch.seconds * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
 def category_split(m: Measurement) -> tuple[float, float, float, int]:
     """The model's (GEMM, attention, rest) device ms of a step, and its kernels."""
     from pretrain.research.speed.step_time import load_config, step_summary, step_time
@@ -155,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", action="store_true", help="the profiles' kernel time by category")
     args = parser.parse_args(argv)
     if args.next_window or args.profiles:
-        print(next_window() if args.next_window else profile_table())
+        print(f"{next_window()}\n\n{stretch_predictions()}" if args.next_window else profile_table())
         return 0
     rows = comparison()
     print(markdown(rows))
