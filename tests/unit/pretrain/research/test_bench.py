@@ -168,11 +168,10 @@ def test_a_profiled_step_names_its_stretches(tmp_path):
     micro-batch, one last micro-batch and a DeepSpeed step call after each, each found with its host time."""
     from torch.profiler import ProfilerActivity, profile
 
+    from ora_megatron.parallel import destroy_distributed, init_distributed
     from pretrain.research.benchmarks.compare_arms import PROFILED_STRETCHES, Arm, arm_config, synthetic_batches
     from pretrain.research.trace_breakdown import breakdown, load_events
     from pretrain.runtime.engine import build_engine
-
-    from ora_megatron.parallel import destroy_distributed, init_distributed
 
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
