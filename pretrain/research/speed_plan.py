@@ -29,6 +29,7 @@ from pretrain.config.run_config import RunConfig, for_world
 from pretrain.research import memory_model
 from pretrain.research.memory_plan import add_config_flags, load_config
 from pretrain.research.speed import comms
+from pretrain.research.speed.code_versions import GradientWork
 from pretrain.research.speed.gpus import GPU_KINDS, GPUS_PER_NODE, GPUKind, gpu_kind
 
 # Backward computes two matmuls (input and weight gradients) for each of forward's: 2/3 of a micro-batch's
@@ -54,7 +55,9 @@ class ComputeModel:
     config's tensor-parallel shard; the optimizer step over a number of elements."""
 
     micro_batch_s: Callable[[RunConfig, GPUKind], float]  # (config, GPU kind); compiled: speed.compile
-    optimizer_s: Callable[[GPUKind, int], float]  # (GPU kind, elements one GPU's optimizer steps)
+    # (GPU kind, elements one GPU's optimizer steps, what it does with its gradients): the step's stretch
+    # after its micro-batches
+    optimizer_s: Callable[[GPUKind, int, GradientWork], float]
 
 
 def _modelled_micro_batch_s(cfg: RunConfig, gpu: GPUKind) -> float:
@@ -63,10 +66,10 @@ def _modelled_micro_batch_s(cfg: RunConfig, gpu: GPUKind) -> float:
     return micro_batch_time(cfg, gpu, cfg.train.micro_batch_size, cfg.parallel.tensor, cfg.speed.compile).seconds
 
 
-def _modelled_optimizer_s(gpu: GPUKind, stepped: int) -> float:
+def _modelled_optimizer_s(gpu: GPUKind, stepped: int, gradients: GradientWork) -> float:
     from pretrain.research.speed.step_time import optimizer_step_time
 
-    return optimizer_step_time(gpu, stepped).seconds
+    return optimizer_step_time(gpu, stepped, gradients=gradients).seconds
 
 
 # The step-time model's (pretrain.research.speed.step_time, docs/speed_model.md).
@@ -92,12 +95,17 @@ class SpeedPlanner:
                 self._cuts[key] = stages, memory_model.stage_shards(cfg, stages)
         return self._cuts[key]
 
-    def compute_times(self, cfg: RunConfig, stepped: int) -> ComputeTimes:
-        """The compute model's times; a micro-batch's once per model, data, micro-batch and TP size."""
+    def compute_times(self, cfg: RunConfig, layout: memory_model.Layout, shards: list) -> ComputeTimes:
+        """The compute model's times; a micro-batch's once per model, data, micro-batch and TP size; the
+        optimizer's stretch on the stage that takes longest."""
         key = repr((cfg.model, cfg.data, cfg.train.micro_batch_size, cfg.speed.compile, cfg.parallel.tensor))
         if key not in self._micro_batch_s:
             self._micro_batch_s[key] = self.compute.micro_batch_s(cfg, self.gpu)
-        return ComputeTimes(self._micro_batch_s[key], self.compute.optimizer_s(self.gpu, stepped))
+        optimizer_s = max(
+            self.compute.optimizer_s(self.gpu, memory_model.optimizer_elements(held, layout), GradientWork(
+                tuple(s.numel for s in held if s.trainable), layout.grad_accum, layout.zero_stage))
+            for held in shards)
+        return ComputeTimes(self._micro_batch_s[key], optimizer_s)
 
     def memory(self, cfg: RunConfig, layout: memory_model.Layout) -> dict:
         """memory_model.plan's verdict and total for the rank holding the most, from the cached cut."""
@@ -115,8 +123,7 @@ class SpeedPlanner:
         layout = memory_model.layout_of(cfg, world_size)
         cfg = for_world(cfg, world_size)
         stages, shards = self.cut(cfg)
-        stepped = max(memory_model.optimizer_elements(held, layout) for held in shards)
-        times = self.compute_times(cfg, stepped)
+        times = self.compute_times(cfg, layout, shards)
         step, traffic = step_time(cfg, layout, stages, shards, self.gpu, times)
         total = step["total"]
         tokens_per_s = cfg.tokens_per_step / total
@@ -284,7 +291,7 @@ def describe(result: dict) -> str:
 
 STEP_LABELS = {"compute": "compute", "tensor_parallel": "tensor-parallel all-reduces",
                "pipeline_p2p": "pipeline sends", "bubble": "pipeline bubble",
-               "data_parallel": "data-parallel (exposed)", "optimizer": "optimizer step", "total": "step"}
+               "data_parallel": "data-parallel (exposed)", "optimizer": "gradients and optimizer", "total": "step"}
 
 
 def table(config: str, result: dict) -> str:
@@ -309,15 +316,16 @@ def rank_table(config: str, gpu: GPUKind, compiled: bool, ranking: dict, top: in
              f"({ranking['do_not_fit']} do not, {ranking['refused_by_config']} refused by the config); "
              f"the {len(shown)} fastest",
              "| nodes | TP | PP | DP | ZeRO | micro-batch | accum | step ms | compute | comm exposed | bubble "
-             "| tokens/s | MFU | GPU-hours | days | GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| grads + optimizer | tokens/s | MFU | GPU-hours | days | GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in shown:
         lay, s = r["layout"], r["step_s"]
         comm = s["tensor_parallel"] + s["pipeline_p2p"] + s["data_parallel"]
         zero = f"{lay['zero_stage']}{'*' if r['caveats'] else ''}"
         lines.append(f"| {lay['nodes']} | {lay['tensor']} | {lay['pipeline']} | {lay['data']} | {zero} "
                      f"| {lay['micro_batch_size']} | {lay['grad_accum']} | {_ms(s['total'])} | {_ms(s['compute'])} "
-                     f"| {_ms(comm)} | {_ms(s['bubble'])} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} "
+                     f"| {_ms(comm)} | {_ms(s['bubble'])} | {_ms(s['optimizer'])} | {r['tokens_per_s']:,.0f} "
+                     f"| {r['mfu']:.1%} "
                      f"| {r['gpu_hours']:,.0f} | {r['days']:,.2f} | {_gib(r['memory']['total_bytes'])} |")
     notes = sorted({note for r in shown for note in r["caveats"]})
     lines += [f"* {note}" for note in notes]

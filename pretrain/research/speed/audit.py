@@ -26,20 +26,18 @@ from pathlib import Path
 
 import torch
 
-from pretrain.research.speed.code_versions import code_version, gradient_ops, optimizer_ops
 from pretrain.research.speed.cost import CategoryCost, fused_groups, kernel_cost, stretch_cost
 from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
 from pretrain.research.speed.reference import ReferenceShape, reference_optimizer_ops, trace_reference
 from pretrain.research.speed.step_time import (
     TRACE_CACHE,
     TRACE_FORMAT,
-    _expanded_loss,
     _ops_json,
     _ops_of,
-    cached_trace,
     load_config,
     micro_batch_of,
     model_of,
+    step_ops,
     tokens_per_step,
 )
 from pretrain.research.speed.trace import Op, Trace
@@ -161,13 +159,10 @@ def micro_batches_of(cfg, micro_batch: int) -> int:
 
 def ours(cfg, micro_batch: int, revision: str, cache: Path | None = TRACE_CACHE) -> StepOpsOfSide:
     """Our step as `step_time` models it at `revision`."""
-    traced = cached_trace(cfg, cache)
-    sizes = [int(torch.Size(shape).numel()) for shape in traced.parameters]
-    micro_batches = micro_batches_of(cfg, micro_batch)
+    step = step_ops(cfg, micro_batch, revision, cache)
     model = model_of(cfg)
-    return StepOpsOfSide(_expanded_loss(traced.at(micro_batch), revision),
-                         gradient_ops(sizes, micro_batches) + optimizer_ops(code_version(revision), sizes),
-                         micro_batches, micro_batch * model.seq_length * model.vocab_size)
+    return StepOpsOfSide(step.micro_batch, step.optimizer, step.micro_batches,
+                         micro_batch * model.seq_length * model.vocab_size)
 
 
 def cached_reference_trace(path: str | Path, shape: ReferenceShape, accumulation: int,

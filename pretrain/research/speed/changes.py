@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.research.speed.code_versions import code_version, gradient_ops, optimizer_ops
+from pretrain.research.speed.code_versions import code_version
 from pretrain.research.speed.cost import stretch_cost
 from pretrain.research.speed.gpus import GPU_KINDS, GPUKind
 from pretrain.research.speed.step_time import (
@@ -30,6 +30,7 @@ from pretrain.research.speed.step_time import (
     cached_trace,
     load_config,
     model_of,
+    one_gpu_optimizer_ops,
     tokens_per_step,
 )
 
@@ -47,7 +48,7 @@ def step_ms(cfg, gpu: GPUKind, micro_batch: int, compiled: bool, fused_adamw: bo
     if cuda_graphs and compiled:
         graphed = sum(op.name.startswith("loss.") for op in ops)
         host -= graphed * (gpu.constants.host_s_per_op - gpu.constants.kernel_s)
-    optimizer = stretch_cost(gradient_ops(sizes, micro_batches) + optimizer_ops(code, sizes), gpu, compiled=False)
+    optimizer = stretch_cost(one_gpu_optimizer_ops(sizes, micro_batches, code), gpu, compiled=False)
     return {"step_ms": (micro_batches * max(micro.device_s, host) + optimizer.seconds) * 1e3,
             "micro_batch_host_ms": host * 1e3, "micro_batch_device_ms": micro.device_s * 1e3}
 

@@ -16,9 +16,14 @@ weights, the casts, the copy into the hidden-state gradient) and sums the weight
 HEAD a bf16 [V × h] product added into the fp32 sum (one more kernel, 10 B an element), at HEAD in the
 GEMM's epilogue (its output read and written in fp32).
 
-Gradients: autograd adds each micro-batch's gradient after the first into the parameter's (one kernel a
-tensor a micro-batch), and at the accumulation boundary ZeRO copies each tensor's gradient into its
-reduction bucket and back out of it (two kernels a tensor, and the bucket's all-reduce).
+Gradients (`gradient_ops`, by ZeRO stage; deepspeed/runtime/zero/stage_1_and_2.py and engine.py, 0.19.8,
+contiguous gradients as the run's config leaves them): ZeRO-1 lets autograd add each micro-batch's
+gradient after the first into the parameter's (one kernel a tensor a micro-batch) and at the accumulation
+boundary copies each tensor's gradient into its reduction bucket and from it into the partition (two
+kernels a tensor); ZeRO-2 and ZeRO-3 reduce every micro-batch, two copies a tensor each time, autograd
+accumulating nothing; ZeRO-0 accumulates as ZeRO-1, then DeepSpeed's all-reduce flattens its buckets (a
+pass over every gradient) and copies each gradient back out (one kernel a tensor). On one GPU, NCCL's
+all-reduce of the buckets is one more pass (`one_rank_all_reduce`).
 
 The optimizer step of DeepSpeed's ZeRO-1 in bf16 on one GPU (deepspeed/runtime/zero/stage_1_and_2.py,
 0.19.8; the project's torch AdamW with foreach=True, pretrain/runtime/optimizer.py) over the flat fp32
@@ -40,7 +45,13 @@ from dataclasses import dataclass
 from pretrain.research.speed.trace import Op, Tensor
 
 MIB = 2**20
-FOREACH_LAUNCH_ELEMENTS = 320 * 65536  # torch's multi_tensor_apply: blocks a launch × elements a block
+# torch's multi_tensor_apply (CUDA): tensors a launch at each depth (lists read), blocks a launch, elements
+# a block. Fused AdamW reads four lists (params, grads, exp_avg, exp_avg_sq); the foreach norm and the
+# foreach scale, one.
+FOREACH_TENSORS_A_LAUNCH = {1: 110, 4: 36}
+FOREACH_BLOCK_ELEMENTS = 65536
+FOREACH_BLOCKS_A_LAUNCH = 320
+FOREACH_LAUNCH_ELEMENTS = FOREACH_BLOCKS_A_LAUNCH * FOREACH_BLOCK_ELEMENTS
 ADAMW_BYTES_PER_PARAM = 80
 FUSED_ADAMW_BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
 NONFINITE_CHECK_KERNELS = 13
@@ -93,6 +104,20 @@ def _gemm(name: str, m: int, n: int, k: int, out_itemsize: int = 2) -> Op:
               (_tensor(m, n, itemsize=out_itemsize),), False)
 
 
+def foreach_launches(sizes: list[int], depth: int) -> int:
+    """Kernels one multi_tensor_apply call launches over tensors of `sizes`: a launch holds at most
+    FOREACH_TENSORS_A_LAUNCH[depth] tensors and FOREACH_BLOCKS_A_LAUNCH blocks of FOREACH_BLOCK_ELEMENTS."""
+    blocks = sum(math.ceil(size / FOREACH_BLOCK_ELEMENTS) for size in sizes)
+    return max(1, math.ceil(len(sizes) / FOREACH_TENSORS_A_LAUNCH[depth]),
+               math.ceil(blocks / FOREACH_BLOCKS_A_LAUNCH))
+
+
+def launched_ops(name: str, sizes: list[int], depth: int, bytes_per_element: float) -> list[Op]:
+    """One multi_tensor_apply call over tensors of `sizes`, as the kernels it launches."""
+    launches = foreach_launches(sizes, depth)
+    return [_memory(name, math.ceil(sum(sizes) / launches), bytes_per_element) for _ in range(launches)]
+
+
 def chunk_size(code: CodeVersion, vocab: int) -> int:
     tokens = code.chunk_bytes // (code.chunk_element_bytes * vocab)
     return tokens // 128 * 128 if code.chunk_element_bytes == 2 and tokens >= 128 else max(1, tokens)
@@ -125,12 +150,31 @@ def loss_backward_ops(tokens: int, hidden: int, vocab: int) -> list[Op]:
             _memory("loss.backward_weight", vocab * hidden, 4, True)]
 
 
-def gradient_ops(tensor_sizes: list[int], micro_batches: int) -> list[Op]:
-    """The gradient accumulation of a step's micro-batches and ZeRO's bucket copies at its boundary."""
+@dataclass(frozen=True)
+class GradientWork:
+    """What one GPU does with its gradients in a step: its trainable tensors' sizes (its tensor-parallel
+    and pipeline shard), over how many micro-batches, under which ZeRO stage (`gradient_ops`)."""
+
+    tensor_sizes: tuple[int, ...]
+    micro_batches: int
+    zero_stage: int
+
+
+def gradient_ops(tensor_sizes: list[int], micro_batches: int, zero_stage: int = 1) -> list[Op]:
+    """The gradients' accumulation over a step's micro-batches and ZeRO's copies of them (module docstring)."""
+    if zero_stage >= 2:
+        return [_memory("gradients.bucket_copy", size, 4) for _ in range(micro_batches) for size in tensor_sizes
+                for _ in range(2)]
     ops = [_memory("gradients.accumulate", size, 6) for _ in range(micro_batches - 1) for size in tensor_sizes]
-    ops += [_memory("gradients.bucket_copy", size, 4) for size in tensor_sizes for _ in range(2)]
-    ops.append(_memory("gradients.all_reduce", sum(tensor_sizes), 4))
-    return ops
+    if zero_stage == 1:
+        return ops + [_memory("gradients.bucket_copy", size, 4) for size in tensor_sizes for _ in range(2)]
+    ops.append(_memory("gradients.flatten", sum(tensor_sizes), 4))
+    return ops + [_memory("gradients.copy_back", size, 4) for size in tensor_sizes]
+
+
+def one_rank_all_reduce(tensor_sizes: list[int]) -> Op:
+    """NCCL's all-reduce of the gradient buckets on a single GPU: one pass over them."""
+    return _memory("gradients.all_reduce", sum(tensor_sizes), 4)
 
 
 def optimizer_ops(code: CodeVersion, tensor_sizes: list[int]) -> list[Op]:
@@ -148,3 +192,28 @@ def optimizer_ops(code: CodeVersion, tensor_sizes: list[int]) -> list[Op]:
     ops += [_memory("optimizer.adamw", math.ceil(params / launches), moved) for _ in range(passes * launches)]
     ops.append(_memory("optimizer.params_to_bf16", params, 6))
     return ops
+
+
+UNFUSED_OVERFLOW_SCALARS = 10  # has_inf_or_nan's kernels on its two reductions' results
+
+
+def unfused_optimizer_ops(code: CodeVersion, tensor_sizes: list[int]) -> list[Op]:
+    """DeepSpeed's bf16 step without ZeRO (FP16_UnfusedOptimizer, deepspeed/runtime/fp16/unfused_optimizer.py,
+    0.19.8), tensor by tensor, as its ops dispatch: the overflow check (amax and amin of the gradient, ten
+    scalar kernels, and a copy of the verdict to the host, which waits for the device), the gradient norm
+    (an fp32 copy, its norm and two scalar kernels), the fp32 gradient, the clip's scale; torch's AdamW
+    over the fp32 parameters (a multi-tensor call); the copy back into the bf16 weight."""
+    ops = []
+    for size in tensor_sizes:
+        ops += [_memory("optimizer.overflow_read", size, 2) for _ in range(2)]
+        ops += [_memory("optimizer.overflow_scalar", 1, 4) for _ in range(UNFUSED_OVERFLOW_SCALARS)]
+        ops.append(_memory("optimizer.overflow_sync", 1, 4))
+        ops += [_memory("optimizer.norm_fp32_copy", size, 6), _memory("optimizer.norm", size, 4),
+                _memory("optimizer.norm_scalar", 1, 4), _memory("optimizer.norm_scalar", 1, 4)]
+        ops += [_memory("optimizer.grad_to_fp32", size, 6), _memory("optimizer.clip_scale", size, 8)]
+    if code.fused_adamw:
+        ops += launched_ops("optimizer.adamw", tensor_sizes, 4, FUSED_ADAMW_BYTES_PER_PARAM)
+    else:
+        ops += [op for _ in range(8)
+                for op in launched_ops("optimizer.adamw", tensor_sizes, 4, ADAMW_BYTES_PER_PARAM / 8)]
+    return ops + [_memory("optimizer.params_to_bf16", size, 6) for size in tensor_sizes]

@@ -32,15 +32,8 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pretrain.research.speed.code_versions import FUSED_ADAMW_BYTES_PER_PARAM, _memory
+from pretrain.research.speed.code_versions import FUSED_ADAMW_BYTES_PER_PARAM, _memory, launched_ops
 from pretrain.research.speed.trace import Op, Recorder, Trace, _AttentionRecorder, _DispatchRecorder
-
-# torch's multi_tensor_apply (CUDA): tensors a launch at each depth (lists read), blocks a launch, elements
-# a block. Fused AdamW reads four lists (params, grads, exp_avg, exp_avg_sq); the foreach norm and the
-# foreach scale, one.
-FOREACH_TENSORS_A_LAUNCH = {1: 110, 4: 36}
-FOREACH_BLOCK_ELEMENTS = 65536
-FOREACH_BLOCKS_A_LAUNCH = 320
 
 
 @dataclass(frozen=True)
@@ -154,19 +147,6 @@ def trace_reference(path: str | Path, shape: ReferenceShape, accumulation: int) 
     return Trace(tuple(two), tuple(three), shapes)
 
 
-def foreach_launches(sizes: list[int], depth: int) -> int:
-    """Kernels one multi_tensor_apply call launches over tensors of `sizes`: a launch holds at most
-    FOREACH_TENSORS_A_LAUNCH[depth] tensors and FOREACH_BLOCKS_A_LAUNCH blocks of FOREACH_BLOCK_ELEMENTS."""
-    blocks = sum(math.ceil(size / FOREACH_BLOCK_ELEMENTS) for size in sizes)
-    return max(1, math.ceil(len(sizes) / FOREACH_TENSORS_A_LAUNCH[depth]),
-               math.ceil(blocks / FOREACH_BLOCKS_A_LAUNCH))
-
-
-def _launched(name: str, sizes: list[int], depth: int, bytes_per_element: float) -> list[Op]:
-    launches = foreach_launches(sizes, depth)
-    return [_memory(name, math.ceil(sum(sizes) / launches), bytes_per_element) for _ in range(launches)]
-
-
 def reference_optimizer_ops(shapes: list[tuple[int, ...]], micro_batches: int) -> list[Op]:
     """The reference trainer's gradient accumulation and optimizer step over fp32 parameters of `shapes`:
     autograd adds each micro-batch's gradient after the first into the parameter's (12 B an element);
@@ -175,12 +155,12 @@ def reference_optimizer_ops(shapes: list[tuple[int, ...]], micro_batches: int) -
     vectors), plus the step counters' increment."""
     sizes = [math.prod(shape) for shape in shapes]
     ops = [_memory("gradients.accumulate", size, 12) for _ in range(micro_batches - 1) for size in sizes]
-    ops += _launched("optimizer.clip_norms", sizes, 1, 4)
+    ops += launched_ops("optimizer.clip_norms", sizes, 1, 4)
     ops += [_memory("optimizer.clip_total", len(sizes), 8) for _ in range(4)]  # stack, norm, add-eps-divide, clamp
-    ops += _launched("optimizer.clip_scale", sizes, 1, 8)
+    ops += launched_ops("optimizer.clip_scale", sizes, 1, 8)
     groups = [[s for s, shape in zip(sizes, shapes) if len(shape) >= 2],
               [s for s, shape in zip(sizes, shapes) if len(shape) < 2]]
     for group in (g for g in groups if g):
-        ops += _launched("optimizer.step_count", group, 1, 8)
-        ops += _launched("optimizer.fused_adamw", group, 4, FUSED_ADAMW_BYTES_PER_PARAM)
+        ops += launched_ops("optimizer.step_count", group, 1, 8)
+        ops += launched_ops("optimizer.fused_adamw", group, 4, FUSED_ADAMW_BYTES_PER_PARAM)
     return ops

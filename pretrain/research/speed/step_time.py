@@ -23,11 +23,15 @@ from pathlib import Path
 import torch
 
 from pretrain.research.speed.code_versions import (
+    CodeVersion,
+    GradientWork,
     code_version,
     gradient_ops,
     loss_backward_ops,
     loss_ops,
+    one_rank_all_reduce,
     optimizer_ops,
+    unfused_optimizer_ops,
 )
 from pretrain.research.speed.cost import CATEGORIES, StretchCost, stretch_cost
 from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
@@ -192,12 +196,21 @@ def ops_vocab(ops: list[Op]) -> int:
     return next(op.outputs[0].shape[-1] for op in ops if op.name == "loss.logits")
 
 
-def optimizer_step_time(gpu: GPUKind, parameters: int, tensors: int = 1, revision: str = "HEAD") -> StretchCost:
-    """DeepSpeed's bf16 ZeRO-1/2 optimizer step over `parameters` held by one GPU in `tensors` gradient
-    tensors (only revisions with the per-tensor non-finite check launch kernels per tensor)."""
-    share, extra = divmod(parameters, tensors)
-    sizes = [share + (1 if i < extra else 0) for i in range(tensors)]
-    return stretch_cost(optimizer_ops(code_version(revision), sizes), gpu, compiled=False)
+def optimizer_step_time(gpu: GPUKind, parameters: int, tensors: int = 1, revision: str = "HEAD",
+                        gradients: GradientWork | None = None) -> StretchCost:
+    """DeepSpeed's bf16 optimizer step over `parameters` held by one GPU in `tensors` gradient tensors (only
+    revisions with the per-tensor non-finite check launch kernels per tensor), after the step's work on
+    its gradients (`gradients`: their accumulation and ZeRO's copies), in one stretch as `step_ops` has it.
+    Without ZeRO (`gradients.zero_stage` 0) the step runs tensor by tensor over `gradients.tensor_sizes`."""
+    code = code_version(revision)
+    if gradients is None:
+        share, extra = divmod(parameters, tensors)
+        return stretch_cost(optimizer_ops(code, [share + (1 if i < extra else 0) for i in range(tensors)]), gpu,
+                            compiled=False)
+    sizes = list(gradients.tensor_sizes)
+    step = unfused_optimizer_ops(code, sizes) if gradients.zero_stage == 0 else optimizer_ops(code, [parameters])
+    return stretch_cost(gradient_ops(sizes, gradients.micro_batches, gradients.zero_stage) + step, gpu,
+                        compiled=False)
 
 
 @dataclass
@@ -228,6 +241,13 @@ class StepOps:
                         stretch_cost(self.optimizer, gpu, compiled=False), self.tokens, self.flops)
 
 
+def one_gpu_optimizer_ops(tensor_sizes: list[int], micro_batches: int, code: CodeVersion) -> list[Op]:
+    """One GPU's optimizer stretch under ZeRO-1: the gradients' accumulation and copies, the one-rank
+    all-reduce, and the optimizer step over every trainable tensor."""
+    return [*gradient_ops(tensor_sizes, micro_batches), one_rank_all_reduce(tensor_sizes),
+            *optimizer_ops(code, tensor_sizes)]
+
+
 def step_ops(cfg, micro_batch: int, revision: str = "HEAD", cache: Path | None = TRACE_CACHE) -> StepOps:
     """One training step on one GPU at tensor size 1: `tokens_per_step / (micro_batch · seq)` micro-batches,
     the gradients' accumulation and bucket copies, and the optimizer step over every trainable parameter."""
@@ -235,7 +255,7 @@ def step_ops(cfg, micro_batch: int, revision: str = "HEAD", cache: Path | None =
     micro_batches = max(1, tokens // (micro_batch * model_of(cfg).seq_length))
     traced = cached_trace(cfg, cache)
     sizes = [int(torch.Size(s).numel()) for s in traced.parameters]
-    optimizer = gradient_ops(sizes, micro_batches) + optimizer_ops(code_version(revision), sizes)
+    optimizer = one_gpu_optimizer_ops(sizes, micro_batches, code_version(revision))
     return StepOps(_expanded_loss(micro_batch_ops(cfg, micro_batch, cache), revision), optimizer, micro_batches, tokens,
                    tokens * flops_per_token(cfg))
 

@@ -17,7 +17,7 @@ from pretrain.research.speed_plan import ComputeModel, SpeedPlanner
 # 1 ms per 1,000 tokens of a micro-batch, 1 ns per stepped element
 compute_double = ComputeModel(micro_batch_s=lambda cfg, gpu: cfg.train.micro_batch_size
                               * cfg.model.seq_length * 1e-6,
-                              optimizer_s=lambda gpu, stepped: stepped * 1e-9)
+                              optimizer_s=lambda gpu, stepped, gradients: stepped * 1e-9)
 
 
 @pytest.mark.slow  # the memory plan builds each distinct model on the meta device: seconds

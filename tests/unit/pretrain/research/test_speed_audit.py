@@ -10,8 +10,8 @@ import pytest
 
 from pretrain.research.speed.audit import CATEGORIES, audit, ours, reference, table
 from pretrain.research.speed.changes import step_ms
+from pretrain.research.speed.code_versions import foreach_launches
 from pretrain.research.speed.gpus import GPU_KINDS
-from pretrain.research.speed.reference import foreach_launches
 from pretrain.research.speed.step_time import load_config, step_time
 
 H200 = GPU_KINDS["h200"]

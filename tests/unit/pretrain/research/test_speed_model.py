@@ -87,6 +87,41 @@ def test_optimizer_step_scales_with_the_parameters_a_gpu_holds():
     assert unchecked.kernels - fused.kernels == 7 * 6 and fused.device_s < unchecked.device_s
 
 
+@pytest.mark.parametrize("zero_stage, kernels", [
+    (0, {"gradients.accumulate": 3 * 5, "gradients.flatten": 1, "gradients.copy_back": 5}),
+    (1, {"gradients.accumulate": 3 * 5, "gradients.bucket_copy": 2 * 5}),
+    (2, {"gradients.bucket_copy": 4 * 2 * 5}),
+])
+def test_gradient_work_follows_the_zero_stage(zero_stage, kernels):
+    """ZeRO-0 and ZeRO-1 let autograd accumulate 4 micro-batches (3 adds a tensor); ZeRO-0 flattens and
+    copies back, ZeRO-1 copies each tensor into the bucket and the partition once, ZeRO-2 every micro-batch."""
+    from collections import Counter
+
+    from pretrain.research.speed.code_versions import GradientWork, gradient_ops
+
+    sizes = [1000, 2000, 3000, 4000, 5000]
+    assert Counter(op.name for op in gradient_ops(sizes, 4, zero_stage)) == kernels
+    if zero_stage:  # ZeRO's flat step over the partition after the gradients' work
+        bare = optimizer_step_time(H100, sum(sizes))
+        with_gradients = optimizer_step_time(H100, sum(sizes), gradients=GradientWork(tuple(sizes), 4, zero_stage))
+        assert with_gradients.kernels - bare.kernels == sum(kernels.values())
+
+
+def test_without_zero_the_bf16_step_runs_tensor_by_tensor():
+    """DeepSpeed's unfused bf16 step: 20 kernels a tensor (the overflow check with its copy to the host, the
+    norm, the fp32 gradient, the clip, the copy back) and fused AdamW's launches, against ZeRO-1's few flat
+    passes: at Base's 148 tensors, far more host time."""
+    from pretrain.research.speed.code_versions import GradientWork, code_version, unfused_optimizer_ops
+
+    sizes = [768 * 768] * 148
+    unfused = unfused_optimizer_ops(code_version("HEAD"), sizes)
+    assert sum(op.name == "optimizer.adamw" for op in unfused) == 5  # 148 tensors, 36 a launch
+    assert len(unfused) == 20 * 148 + 5
+    zero0 = optimizer_step_time(H100, sum(sizes), gradients=GradientWork(tuple(sizes), 1, 0))
+    zero1 = optimizer_step_time(H100, sum(sizes), gradients=GradientWork(tuple(sizes), 1, 1))
+    assert zero0.host_s > 5 * zero1.host_s
+
+
 def test_unknown_gpu_kind_is_named():
     with pytest.raises(ValueError, match="a100, h100, h200"):
         gpu_kind("v100")

@@ -31,7 +31,7 @@ SET = [flag for item in BASE for flag in ("--set", item)]
 compute_double = speed_plan.ComputeModel(
     micro_batch_s=lambda cfg, gpu: cfg.train.micro_batch_size * cfg.model.seq_length / cfg.parallel.tensor
     * 1e-6,
-    optimizer_s=lambda gpu, stepped: stepped * 1e-9)
+    optimizer_s=lambda gpu, stepped, gradients: stepped * 1e-9)
 
 
 @pytest.fixture
@@ -63,6 +63,27 @@ def test_zero1_sends_the_trainable_parameters_only(planner, run_config):
     padded = sum(-(-g // (2 * n)) * 2 * n for g in groups.values())
     assert sum(groups.values()) == trainable
     assert result["data_parallel"]["bytes"] == pytest.approx(2 * (n - 1) / n * e * trainable + (n - 1) / n * e * padded)
+
+
+def test_the_optimizer_stretch_gets_each_stages_gradient_work(run_config):
+    """The optimizer's stretch is priced on every pipeline stage with that stage's trainable tensors, the
+    step's accumulation and the ZeRO stage; the longest stage's is the step's."""
+    seen = []
+
+    def optimizer_s(gpu, stepped, gradients):
+        seen.append(gradients)
+        return len(gradients.tensor_sizes) * 1e-3
+
+    compute = speed_plan.ComputeModel(compute_double.micro_batch_s, optimizer_s)
+    cfg = load_run_config(run_config, [*BASE, "parallel.pipeline=2", "train.micro_batch_size=2",
+                                       "stability.spike_skip.enabled=false"])
+    result = speed_plan.SpeedPlanner(H100, compute=compute).plan(cfg, 8)  # PP 2 × DP 4: accumulation 4
+    assert len(seen) == 2 and {(g.micro_batches, g.zero_stage) for g in seen} == {(4, 1)}
+    with tp1_parallel_state():
+        shards = memory_model.stage_shards(cfg, memory_model.pipeline_stages(cfg.model, cfg.parallel))
+    # Each stage's trainable tensors (both end stages hold the tied embedding: each reduces its gradient).
+    assert [g.tensor_sizes for g in seen] == [tuple(s.numel for s in held if s.trainable) for held in shards]
+    assert result["step_s"]["optimizer"] == pytest.approx(max(len(g.tensor_sizes) for g in seen) * 1e-3)
 
 
 def test_a_step_is_its_micro_batches_communication_and_optimizer(planner, run_config):
@@ -150,13 +171,16 @@ def test_bad_flags_exit_2_naming_them(run_config, capsys, flags, named):
 
 @pytest.mark.slow  # traces the tiny model's CUDA ops on CPU once (seconds; cached under runs/speed_traces)
 def test_the_step_time_model_supplies_the_compute(run_config):
+    from pretrain.research.speed.code_versions import GradientWork
     from pretrain.research.speed.step_time import micro_batch_time, optimizer_step_time
 
     cfg = load_run_config(run_config, [*BASE, "train.micro_batch_size=2"])
     result = speed_plan.SpeedPlanner(H100, compute=speed_plan.STEP_TIME_MODEL).plan(cfg, 8)
     with tp1_parallel_state():
-        stepped = memory_model.optimizer_elements(memory_model.stage_shards(cfg, memory_model.pipeline_stages(
-            cfg.model, cfg.parallel))[0], memory_model.layout_of(cfg, 8))
+        shards = memory_model.stage_shards(cfg, memory_model.pipeline_stages(cfg.model, cfg.parallel))
+    stepped = memory_model.optimizer_elements(shards[0], memory_model.layout_of(cfg, 8))
     assert result["layout"]["grad_accum"] == 2
     assert result["step_s"]["compute"] == pytest.approx(2 * micro_batch_time(cfg, H100, 2).seconds)
-    assert result["step_s"]["optimizer"] == pytest.approx(optimizer_step_time(H100, stepped).seconds)
+    gradients = GradientWork(tuple(s.numel for s in shards[0] if s.trainable), 2, 1)
+    assert result["step_s"]["optimizer"] == pytest.approx(optimizer_step_time(H100, stepped,
+                                                                              gradients=gradients).seconds)
