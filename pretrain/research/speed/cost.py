@@ -74,6 +74,25 @@ def _bytes(tensors: tuple[Tensor, ...]) -> int:
     return sum(t.nbytes for t in tensors)
 
 
+# aten ops whose kernel reads one of their inputs only in part: that input's index, and the elements read.
+# NLL's forward gathers one log-probability a row (the target's); its backward takes `self` for its shape.
+PARTIAL_READS = {
+    "nll_loss_forward": (0, lambda op: op.inputs[1].numel),
+    "nll_loss_backward": (1, lambda op: 0),
+}
+
+
+def moved_bytes(op: Op) -> int:
+    """The bytes a kernel reads and writes: its inputs (where `PARTIAL_READS` has the op, the part read)
+    and its outputs."""
+    partial = PARTIAL_READS.get(op.name)
+    if partial is None:
+        return _bytes(op.inputs) + _bytes(op.outputs)
+    index, elements = partial
+    inputs = [t.nbytes if i != index else elements(op) * t.itemsize for i, t in enumerate(op.inputs)]
+    return sum(inputs) + _bytes(op.outputs)
+
+
 def gemm_dims(op: Op) -> tuple[int, int, int, int]:
     """(batch, M, N, K) of a GEMM op: addmm and baddbmm read the added tensor first."""
     a, b = op.inputs[1:3] if op.name in ("addmm", "baddbmm") else op.inputs[:2]
@@ -94,7 +113,7 @@ def gemm_seconds(op: Op, gpu: GPUKind) -> tuple[float, float]:
     batch, m, n, k = gemm_dims(op)
     flops = 2.0 * batch * m * n * k
     rate = gpu.bf16_dense_flops * gpu.constants.gemm_efficiency * wave_efficiency(batch, m, n, k, gpu.sm_count)
-    moved = _bytes(op.inputs) + _bytes(op.outputs)
+    moved = moved_bytes(op)
     return flops, max(flops / rate, moved / gpu.achievable_bytes_per_s) + gpu.constants.kernel_s
 
 
@@ -107,7 +126,7 @@ def attention_flops(op: Op) -> float:
 
 def kernel_cost(op: Op, gpu: GPUKind) -> CategoryCost:
     """One kernel's cost (a memory-bound op, a GEMM or an attention call)."""
-    moved = _bytes(op.inputs) + _bytes(op.outputs)
+    moved = moved_bytes(op)
     if op.kind == "gemm":
         flops, seconds = gemm_seconds(op, gpu)
         return CategoryCost(1, moved, flops, seconds)

@@ -49,6 +49,19 @@ def test_elementwise_cost_is_its_bytes_at_the_achievable_bandwidth():
     assert cost.device_s == pytest.approx(6 * 2**20 / (3.35e12 * H100.constants.bandwidth_efficiency) + 2e-6)
 
 
+def test_nll_kernels_read_only_what_they_gather():
+    """NLL's forward reads one log-probability a row (the target's), its backward only writes the [N × C]
+    gradient: neither reads the whole fp32 [N × C] input."""
+    rows, classes = 4096, 32000
+    log_probs, target = Tensor((rows, classes), 4, 1, rows * classes), Tensor((rows,), 8, 2, rows)
+    scalar = Tensor((), 4, 3, 1)
+    forward = Op("nll_loss_forward", "memory", (log_probs, target), (scalar, Tensor((), 4, 4, 1)), False)
+    assert kernel_cost(forward, H100).bytes == rows * 4 + rows * 8 + 8
+    backward = Op("nll_loss_backward", "memory", (scalar, log_probs, target, Tensor((), 4, 5, 1)),
+                  (Tensor((rows, classes), 4, 6, rows * classes),), True)
+    assert kernel_cost(backward, H100).bytes == 4 + rows * 8 + 4 + rows * classes * 4
+
+
 def test_split_k_fills_the_sms_for_a_weight_gradient():
     # [768 × 32768] @ [32768 × 768]: 18 tiles alone, split in K to fill most of 132 SMs.
     assert wave_efficiency(1, 768, 768, 32768, 132) > 0.9
