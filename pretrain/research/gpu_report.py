@@ -79,7 +79,7 @@ from pretrain.research.gpu_report_build import (
     markdown,
     train_overrides,
 )
-from pretrain.research.trace_breakdown import breakdown, load_events
+from pretrain.research.trace_breakdown import breakdown, load_events, profiled
 
 EXIT_NO_CUDA = 2
 SECTIONS = ("tests", "bench", "train", "profile")
@@ -211,23 +211,6 @@ def memory_plans(preset: str, arms: list[str], train_steps: int, sets: list[str]
         return {"outcome": asdict(Outcome("ok", time.monotonic() - start)), **plans}
     except Exception:
         return {"outcome": asdict(Outcome("failed", time.monotonic() - start, detail=traceback.format_exc()))}
-
-
-def profiled(step: Callable[[int], object], steps: int, trace: Path) -> list[tuple[str, float, int]]:
-    """Run step(0), ..., step(steps - 1) under torch.profiler (CPU and CUDA), write the Chrome trace to
-    `trace` (gzip-compressed for a .gz name) and return (name, self device µs, calls) of each CUDA kernel."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for index in range(steps):
-            step(index)
-        torch.cuda.synchronize()
-    trace.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(trace))
-    return [(event.key, event.self_device_time_total, event.count) for event in prof.key_averages()
-            if event.device_type == DeviceType.CUDA]
 
 
 def profile_arm(preset: str, arm: str, steps: int, sets: list[str], trace: Path) -> list[tuple[str, float, int]]:

@@ -21,7 +21,7 @@ import gzip
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 # (category, substrings of a kernel's name), the first match wins: SDPA's cuDNN kernels before GEMMs (their
 # names hold "gemm"-like tiles), softmax before the elementwise kernels.
@@ -44,6 +44,28 @@ DEVICE_SIDE = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 def category(kernel_name: str) -> str:
     return next((name for name, parts in CATEGORIES if any(part in kernel_name for part in parts)), OTHER)
+
+
+def profiled(step: Callable[[int], object], steps: int, trace: Path) -> list[tuple[str, float, int]]:
+    """Run step(0), ..., step(steps - 1) under torch.profiler (the CPU, and CUDA where there is one), write
+    the Chrome trace to `trace` (gzip-compressed for a .gz name) and return (name, self device µs, calls)
+    of each CUDA kernel."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for index in range(steps):
+            step(index)
+        if cuda:
+            torch.cuda.synchronize()
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    return [(event.key, event.self_device_time_total, event.count) for event in prof.key_averages()
+            if event.device_type == DeviceType.CUDA]
 
 
 def load_events(path: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """The step-time model against every whole-step time measured on a GPU and committed.
 
-    python -m pretrain.research.speed.validate [--profiles | --next-window]
+    python -m pretrain.research.speed.validate [--profiles | --next-window [--reference MODEL_PY]]
 
 Sources: the three H100 reports under docs/results/gpu/ (every row of their step-time tables: compare_arms,
 bf16, 65,536 tokens a step) and the H200 rows of DESIGN.md §4b (the project's; nanoGPT's are not the
@@ -8,7 +8,8 @@ project's op graph). Each is predicted at the code its measurement ran (`code_ve
 kernels and the per-tensor non-finite check of that revision); the layers' ops are HEAD's trace.
 `--profiles`: the kernel time a step by category against the profiles' (trace_breakdown.json).
 `--next-window`: the model's predictions for the runs docs/results/gpu/README.md lists for the next GPU
-window (HEAD's code), before they are measured: each run's step, then the stretches of the profiled ones.
+window (HEAD's code), before they are measured: each run's step, then the stretches of the profiled ones,
+and with `--reference PATH` (nanoGPT's model.py) the reference's steps at Small's and Base's shapes.
 """
 
 from __future__ import annotations
@@ -108,6 +109,21 @@ def next_window() -> str:
     return "\n".join(lines)
 
 
+def reference_predictions(reference: str) -> str:
+    """The model's step for the reference GPT (nanoGPT's model.py) at Small's and Base's shapes, micro-batch
+    64, eager and compiled, as the audit costs it (`pretrain.research.speed.audit.reference`)."""
+    from pretrain.research.speed.audit import reference as reference_step_ops
+    from pretrain.research.speed.step_time import load_config
+
+    lines = ["| reference | preset shape | compiled | H100 ms | H200 ms |", "|---|---|---|---|---|"]
+    for preset in ("base", "small"):
+        side = reference_step_ops(load_config(preset, ["train.micro_batch_size=64"]), reference, 64)
+        for compiled in (False, True):
+            cells = [side.costs(gpu_kind(key), compiled).step_s * 1e3 for key in ("h100", "h200")]
+            lines.append(f"| nanoGPT | {preset} | {'yes' if compiled else 'no'} | {cells[0]:.1f} | {cells[1]:.1f} |")
+    return "\n".join(lines)
+
+
 def stretch_predictions() -> str:
     """The model's stretches of the next window's profiled runs (ORA, eager, micro-batch 64, HEAD): each
     micro-batch's forward and backward, and the optimizer's stretch, in which the model counts the
@@ -172,9 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--next-window", action="store_true", help="predict the next GPU window's runs")
     parser.add_argument("--profiles", action="store_true", help="the profiles' kernel time by category")
+    parser.add_argument("--reference", help="with --next-window: nanoGPT's model.py, to predict its steps too")
     args = parser.parse_args(argv)
-    if args.next_window or args.profiles:
-        print(f"{next_window()}\n\n{stretch_predictions()}" if args.next_window else profile_table())
+    if args.reference and not args.next_window:
+        parser.error("--reference goes with --next-window")
+    if args.next_window:
+        parts = [next_window(), stretch_predictions()]
+        if args.reference:
+            parts.append(reference_predictions(args.reference))
+        print("\n\n".join(parts))
+        return 0
+    if args.profiles:
+        print(profile_table())
         return 0
     rows = comparison()
     print(markdown(rows))

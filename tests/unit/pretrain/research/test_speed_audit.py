@@ -165,3 +165,42 @@ def test_fused_adamw_and_cuda_graphs_save_what_they_remove(cfg, tmp_path: Path):
     assert graphed["micro_batch_host_ms"] < plain["micro_batch_host_ms"]
     assert graphed["micro_batch_device_ms"] == plain["micro_batch_device_ms"]
     assert graphed["step_ms"] <= plain["step_ms"]
+
+
+def test_the_reference_step_is_profiled_as_its_trainer_runs_it(tmp_path: Path, capsys):
+    """Without CUDA the profile is a dry run on the CPU: the trainer's step runs (the weights move), the
+    trace is written and its breakdown names the device and finds no kernels."""
+    import json
+
+    import torch
+
+    from pretrain.research.speed.audit import reference_shape
+    from pretrain.research.speed.reference import build_reference
+    from pretrain.research.speed.reference_profile import main, reference_optimizer, reference_step
+
+    path = stand_in(tmp_path, "profiled")
+    shape_cfg = load_config("tiny", ["model.attention.type=vanilla"])
+    model = build_reference(path, reference_shape(shape_cfg))
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens = torch.randint(64, (2, 64))
+    reference_step(model, reference_optimizer(model, tokens.device), tokens, tokens, accumulation=2)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    out = tmp_path / "out"
+    assert main(["--reference", str(path), "--config", "tiny", "--out", str(out), "--micro-batch", "2",
+                 "--steps", "1", "--set", "model.attention.type=vanilla"]) == 0
+    result = json.loads((out / "reference-tiny.breakdown.json").read_text())
+    assert (out / "reference-tiny.json.gz").is_file()
+    assert result["device"] == "cpu" and result["micro_batch"] == 2 and result["accumulation"] >= 1
+    assert result["breakdown"]["kernels_per_step"] == 0
+    assert "reference-tiny.json.gz" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--reference", str(tmp_path / "absent.py"), "--out", str(out)])
+
+
+def test_reference_predictions_go_with_the_next_window(capsys):
+    from pretrain.research.speed.validate import main as validate_main
+
+    with pytest.raises(SystemExit) as refused:
+        validate_main(["--reference", "model.py"])
+    assert refused.value.code == 2 and "--reference goes with --next-window" in capsys.readouterr().err
