@@ -225,7 +225,7 @@ def markdown(report: dict) -> str:
     stretches = [[row["preset"], row["arm"], name, f"{v['kernels']:.0f}", f"{v['host_ms']:.1f}", f"{v['busy_ms']:.1f}",
                   f"{v['wall_ms']:.1f}"]
                  for row in profile["rows"] if (where := row.get("breakdown"))
-                 for name, v in where["ops"].items() if name != FUSED_LOSS_OP and "host_ms" in v]
+                 for name, v in where["ops"].items() if name != FUSED_LOSS_OP]
     if stretches:
         lines += ["", "Each stretch of a step (compare_arms' profiler ranges; host: the time inside the range, "
                   "wall: from its start to its last kernel's end; the profiler slows the host):", ""]

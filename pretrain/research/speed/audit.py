@@ -36,9 +36,9 @@ from pretrain.research.speed.step_time import (
     _ops_of,
     load_config,
     micro_batch_of,
+    micro_batches_of,
     model_of,
     step_ops,
-    tokens_per_step,
 )
 from pretrain.research.speed.trace import Op, Trace
 
@@ -151,10 +151,6 @@ def reference_shape(cfg) -> ReferenceShape:
     model = model_of(cfg)
     return ReferenceShape(model.num_layers, model.hidden_size, model.num_attention_heads, model.seq_length,
                           model.vocab_size, model.hidden_dropout)
-
-
-def micro_batches_of(cfg, micro_batch: int) -> int:
-    return max(1, tokens_per_step(cfg) // (micro_batch * model_of(cfg).seq_length))
 
 
 def ours(cfg, micro_batch: int, revision: str, cache: Path | None = TRACE_CACHE) -> StepOpsOfSide:

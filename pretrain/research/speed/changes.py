@@ -19,36 +19,31 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from pretrain.research.speed.code_versions import code_version
 from pretrain.research.speed.cost import stretch_cost
 from pretrain.research.speed.gpus import GPU_KINDS, GPUKind
 from pretrain.research.speed.step_time import (
     TRACE_CACHE,
-    _expanded_loss,
-    cached_trace,
     load_config,
-    model_of,
     one_gpu_optimizer_ops,
-    tokens_per_step,
+    parameter_sizes,
+    step_ops,
 )
 
 
 def step_ms(cfg, gpu: GPUKind, micro_batch: int, compiled: bool, fused_adamw: bool, cuda_graphs: bool,
             cache: Path | None = TRACE_CACHE) -> dict:
     """Our step at HEAD's code with the two changes on or off: step, micro-batch host and device ms."""
-    traced = cached_trace(cfg, cache)
-    sizes = [int(torch.Size(shape).numel()) for shape in traced.parameters]
-    micro_batches = max(1, tokens_per_step(cfg) // (micro_batch * model_of(cfg).seq_length))
+    step = step_ops(cfg, micro_batch, "HEAD", cache)
     code = replace(code_version("HEAD"), fused_adamw=fused_adamw)
-    ops = _expanded_loss(traced.at(micro_batch), "HEAD")
+    ops, micro_batches = step.micro_batch, step.micro_batches
     micro = stretch_cost(ops, gpu, compiled)
     host = micro.host_s
     if cuda_graphs and compiled:
         graphed = sum(op.name.startswith("loss.") for op in ops)
         host -= graphed * (gpu.constants.host_s_per_op - gpu.constants.kernel_s)
-    optimizer = stretch_cost(one_gpu_optimizer_ops(sizes, micro_batches, code), gpu, compiled=False)
+    optimizer = stretch_cost(one_gpu_optimizer_ops(parameter_sizes(cfg, cache), micro_batches, code), gpu,
+                             compiled=False)
     return {"step_ms": (micro_batches * max(micro.device_s, host) + optimizer.seconds) * 1e3,
             "micro_batch_host_ms": host * 1e3, "micro_batch_device_ms": micro.device_s * 1e3}
 

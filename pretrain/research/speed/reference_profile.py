@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from pretrain.research.speed.audit import micro_batches_of, reference_shape
+from pretrain.research.speed.audit import reference_shape
 from pretrain.research.speed.reference import build_reference
-from pretrain.research.speed.step_time import load_config, micro_batch_of
+from pretrain.research.speed.step_time import load_config, micro_batch_of, micro_batches_of
 from pretrain.research.trace_breakdown import breakdown, load_events, profiled, table
 
 WARMUP_STEPS = 2

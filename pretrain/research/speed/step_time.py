@@ -248,14 +248,22 @@ def one_gpu_optimizer_ops(tensor_sizes: list[int], micro_batches: int, code: Cod
             *optimizer_ops(code, tensor_sizes)]
 
 
+def micro_batches_of(cfg, micro_batch: int) -> int:
+    """Micro-batches of a step on one GPU: `tokens_per_step / (micro_batch · seq)`, at least one."""
+    return max(1, tokens_per_step(cfg) // (micro_batch * model_of(cfg).seq_length))
+
+
+def parameter_sizes(cfg, cache: Path | None = TRACE_CACHE) -> list[int]:
+    """The elements of each trainable parameter, as the trace found them."""
+    return [int(torch.Size(shape).numel()) for shape in cached_trace(cfg, cache).parameters]
+
+
 def step_ops(cfg, micro_batch: int, revision: str = "HEAD", cache: Path | None = TRACE_CACHE) -> StepOps:
-    """One training step on one GPU at tensor size 1: `tokens_per_step / (micro_batch · seq)` micro-batches,
-    the gradients' accumulation and bucket copies, and the optimizer step over every trainable parameter."""
+    """One training step on one GPU at tensor size 1: `micro_batches_of` micro-batches, the gradients'
+    accumulation and bucket copies, and the optimizer step over every trainable parameter."""
     tokens = tokens_per_step(cfg)
-    micro_batches = max(1, tokens // (micro_batch * model_of(cfg).seq_length))
-    traced = cached_trace(cfg, cache)
-    sizes = [int(torch.Size(s).numel()) for s in traced.parameters]
-    optimizer = one_gpu_optimizer_ops(sizes, micro_batches, code_version(revision))
+    micro_batches = micro_batches_of(cfg, micro_batch)
+    optimizer = one_gpu_optimizer_ops(parameter_sizes(cfg, cache), micro_batches, code_version(revision))
     return StepOps(_expanded_loss(micro_batch_ops(cfg, micro_batch, cache), revision), optimizer, micro_batches, tokens,
                    tokens * flops_per_token(cfg))
 
