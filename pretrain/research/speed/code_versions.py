@@ -160,16 +160,23 @@ class GradientWork:
     zero_stage: int
 
 
-def gradient_ops(tensor_sizes: list[int], micro_batches: int, zero_stage: int = 1) -> list[Op]:
-    """The gradients' accumulation over a step's micro-batches and ZeRO's copies of them (module docstring)."""
+def gradient_op_groups(tensor_sizes: list[int], micro_batches: int, zero_stage: int = 1) -> list[tuple[int, list[Op]]]:
+    """The gradients' accumulation over a step's micro-batches and ZeRO's copies of them (module docstring),
+    as (times repeated, ops): the work each micro-batch repeats is listed once."""
+    copies = [_memory("gradients.bucket_copy", size, 4) for size in tensor_sizes for _ in range(2)]
     if zero_stage >= 2:
-        return [_memory("gradients.bucket_copy", size, 4) for _ in range(micro_batches) for size in tensor_sizes
-                for _ in range(2)]
-    ops = [_memory("gradients.accumulate", size, 6) for _ in range(micro_batches - 1) for size in tensor_sizes]
+        return [(micro_batches, copies)]
+    accumulate = (micro_batches - 1, [_memory("gradients.accumulate", size, 6) for size in tensor_sizes])
     if zero_stage == 1:
-        return ops + [_memory("gradients.bucket_copy", size, 4) for size in tensor_sizes for _ in range(2)]
-    ops.append(_memory("gradients.flatten", sum(tensor_sizes), 4))
-    return ops + [_memory("gradients.copy_back", size, 4) for size in tensor_sizes]
+        return [accumulate, (1, copies)]
+    return [accumulate, (1, [_memory("gradients.flatten", sum(tensor_sizes), 4),
+                             *(_memory("gradients.copy_back", size, 4) for size in tensor_sizes)])]
+
+
+def gradient_ops(tensor_sizes: list[int], micro_batches: int, zero_stage: int = 1) -> list[Op]:
+    """`gradient_op_groups` as the ops in the order they run."""
+    return [op for times, ops in gradient_op_groups(tensor_sizes, micro_batches, zero_stage)
+            for _ in range(times) for op in ops]
 
 
 def one_rank_all_reduce(tensor_sizes: list[int]) -> Op:

@@ -69,6 +69,13 @@ class StretchCost:
     def seconds(self) -> float:
         return max(self.device_s, self.host_s)
 
+    def add(self, other: StretchCost, times: int = 1) -> None:
+        """Run `other`'s ops `times` more in this stretch."""
+        for name, cost in other.categories.items():
+            self.categories[name].add(CategoryCost(times * cost.kernels, times * cost.bytes, times * cost.flops,
+                                                   times * cost.device_s))
+        self.host_s += times * other.host_s
+
 
 def _bytes(tensors: tuple[Tensor, ...]) -> int:
     return sum(t.nbytes for t in tensors)

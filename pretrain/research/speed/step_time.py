@@ -26,6 +26,7 @@ from pretrain.research.speed.code_versions import (
     CodeVersion,
     GradientWork,
     code_version,
+    gradient_op_groups,
     gradient_ops,
     loss_backward_ops,
     loss_ops,
@@ -209,8 +210,10 @@ def optimizer_step_time(gpu: GPUKind, parameters: int, tensors: int = 1, revisio
                             compiled=False)
     sizes = list(gradients.tensor_sizes)
     step = unfused_optimizer_ops(code, sizes) if gradients.zero_stage == 0 else optimizer_ops(code, [parameters])
-    return stretch_cost(gradient_ops(sizes, gradients.micro_batches, gradients.zero_stage) + step, gpu,
-                        compiled=False)
+    stretch = stretch_cost(step, gpu, compiled=False)
+    for times, ops in gradient_op_groups(sizes, gradients.micro_batches, gradients.zero_stage):
+        stretch.add(stretch_cost(ops, gpu, compiled=False), times)  # a micro-batch's share, costed once
+    return stretch
 
 
 @dataclass
