@@ -69,9 +69,8 @@ def _base_step_ops(revision: str):
 
 
 def _category_ms(ops, gpu: GPUKind, *names: str) -> float:
-    step = ops.time(gpu, compiled=False)
-    return sum(step.micro_batches * step.micro_batch.categories[n].device_s + step.optimizer.categories[n].device_s
-               for n in names) * 1e3
+    categories = ops.time(gpu, compiled=False).totals().categories
+    return sum(categories[n].device_s for n in names) * 1e3
 
 
 def fit_device(gpu: GPUKind, data: FitData, ops) -> GPUKind:

@@ -34,7 +34,7 @@ from pretrain.research.speed.code_versions import (
     optimizer_ops,
     unfused_optimizer_ops,
 )
-from pretrain.research.speed.cost import CATEGORIES, StretchCost, stretch_cost
+from pretrain.research.speed.cost import StretchCost, stretch_cost
 from pretrain.research.speed.gpus import GPU_KINDS, GPUKind, gpu_kind
 from pretrain.research.speed.trace import Op, Tensor, Trace, trace, trace_at_one
 
@@ -228,6 +228,13 @@ class StepTime:
     def seconds(self) -> float:
         return self.micro_batches * self.micro_batch.seconds + self.optimizer.seconds
 
+    def totals(self) -> StretchCost:
+        """The whole step's kernels, bytes, FLOPs and device time per category, and its host time."""
+        whole = StretchCost()
+        whole.add(self.micro_batch, self.micro_batches)
+        whole.add(self.optimizer)
+        return whole
+
 
 @dataclass(frozen=True)
 class StepOps:
@@ -278,17 +285,11 @@ def step_time(cfg, gpu: GPUKind, micro_batch: int, compiled: bool, revision: str
 
 def step_summary(step: StepTime, gpu: GPUKind) -> dict:
     """Per category of the whole step: kernels, bytes, FLOPs, ms; the step's ms, tokens/s and MFU."""
-    rows = {}
-    for name in CATEGORIES:
-        total = replace(step.micro_batch.categories[name])
-        for field_ in ("kernels", "bytes", "flops", "device_s"):
-            setattr(total, field_, getattr(total, field_) * step.micro_batches)
-        total.add(step.optimizer.categories[name])
-        rows[name] = {**asdict(total), "ms": total.device_s * 1e3}
+    whole = step.totals()
+    rows = {name: {**asdict(cost), "ms": cost.device_s * 1e3} for name, cost in whole.categories.items()}
     seconds = step.seconds
     return {"gpu": gpu.name, "categories": rows, "micro_batches": step.micro_batches,
-            "device_ms": (step.micro_batches * step.micro_batch.device_s + step.optimizer.device_s) * 1e3,
-            "host_ms": (step.micro_batches * step.micro_batch.host_s + step.optimizer.host_s) * 1e3,
+            "device_ms": whole.device_s * 1e3, "host_ms": whole.host_s * 1e3,
             "step_ms": seconds * 1e3, "tokens_per_s": step.tokens / seconds,
             "mfu": step.flops / seconds / gpu.bf16_dense_flops}
 
