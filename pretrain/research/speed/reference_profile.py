@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ora_megatron.config_io import ConfigError
 from pretrain.research.speed.audit import reference_shape
 from pretrain.research.speed.reference import build_reference
 from pretrain.research.speed.step_time import load_config, micro_batch_of, micro_batches_of
@@ -87,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--reference: no such file: {args.reference}")
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        parser.error(str(error))
     name = f"reference-{Path(args.config).stem}{'-compiled' if args.compiled else ''}"
     trace = args.out / f"{name}.json.gz"
     result = profile_reference(args.reference, cfg, args.micro_batch or micro_batch_of(cfg), args.steps,

@@ -196,6 +196,9 @@ def test_the_reference_step_is_profiled_as_its_trainer_runs_it(tmp_path: Path, c
     assert "reference-tiny.json.gz" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--reference", str(tmp_path / "absent.py"), "--out", str(out)])
+    with pytest.raises(SystemExit):  # a config error names its key, before anything is built or written
+        main(["--reference", str(path), "--config", "tiny", "--out", str(tmp_path / "bad"), "--set", "model.nope=1"])
+    assert "model.nope" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_reference_predictions_go_with_the_next_window(capsys):
